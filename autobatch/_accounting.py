@@ -1,0 +1,190 @@
+"""Byte accounting of live tensor storages, shared by the simulated GPU and the planner.
+
+A :class:`StorageLedger` counts every storage it is told about exactly once (views and shared
+storages are one allocation) and forgets it when the storage dies. :class:`CountingMode` is the
+``TorchDispatchMode`` that tells the ledger about the outputs of every operator, autograd's backward
+operators and optimizer updates included. Sizes are rounded the way the CUDA caching allocator
+rounds them (512-byte blocks), so the ledger's numbers are comparable with
+``torch.cuda.memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+#: The CUDA caching allocator hands out blocks in multiples of 512 bytes (``kMinBlockSize`` in
+#: c10/cuda/CUDACachingAllocator.cpp); ``memory_allocated`` reports the rounded sizes.
+CUDA_BLOCK_BYTES = 512
+
+
+def round_allocation(nbytes: int, block_bytes: int = CUDA_BLOCK_BYTES) -> int:
+    """The bytes an allocator that rounds to ``block_bytes`` reserves for a request of ``nbytes``.
+
+    >>> round_allocation(1), round_allocation(512), round_allocation(513), round_allocation(0)
+    (512, 512, 1024, 0)
+    """
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // block_bytes) * block_bytes
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    # The address of the C++ StorageImpl: the same for every view and every Python wrapper of it.
+    return int(storage._cdata)
+
+
+class StorageLedger:
+    """Live bytes, counted once per storage, with a running peak.
+
+    ``block_bytes`` is the allocator's rounding (1 counts raw bytes).
+    """
+
+    def __init__(self, block_bytes: int = CUDA_BLOCK_BYTES) -> None:
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes!r}")
+        self.block_bytes = block_bytes
+        self._live: dict[int, int] = {}
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+
+    def __contains__(self, storage: torch.UntypedStorage) -> bool:
+        return _storage_key(storage) in self._live
+
+    def size_of(self, storage: torch.UntypedStorage) -> int:
+        """Bytes this ledger charges for ``storage`` (rounded)."""
+        return round_allocation(storage.nbytes(), self.block_bytes)
+
+    def add(self, storage: torch.UntypedStorage) -> int:
+        """Start counting ``storage``; returns the bytes added (0 if it was already counted).
+
+        A storage that grew in place (``resize_``) is charged for its new size.
+        """
+        key = _storage_key(storage)
+        size = self.size_of(storage)
+        old = self._live.get(key)
+        if old is None:
+            weakref.finalize(storage, self._release, key)
+            old = 0
+        added = size - old
+        if added:
+            self._live[key] = size
+            self.allocated_bytes += added
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        elif key not in self._live:
+            self._live[key] = size
+        return added
+
+    def _release(self, key: int) -> None:
+        self.allocated_bytes -= self._live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        """Make the current live bytes the peak."""
+        self.peak_bytes = self.allocated_bytes
+
+
+def storages(objects: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
+    """Every tensor storage reachable from modules, optimizers, tensors and nested containers.
+
+    Modules give parameters, their gradients and buffers; optimizers give their state tensors
+    (and the parameters they hold); containers are walked.
+    """
+    seen: set[int] = set()
+    stack = list(objects)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.layout is torch.strided:
+                yield obj.untyped_storage()
+            if obj.grad is not None:
+                stack.append(obj.grad)
+        elif isinstance(obj, torch.nn.Module):
+            stack.extend(obj.parameters())
+            stack.extend(obj.buffers())
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack.extend(obj.state.values())
+            for group in obj.param_groups:
+                stack.extend(group["params"])
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif hasattr(obj, "state_dict") and hasattr(obj, "_scale"):  # GradScaler
+            stack.extend(v for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+
+class CountingMode(TorchDispatchMode):
+    """Tells a ledger about every storage an operator creates or grows.
+
+    ``check(added_bytes)`` runs after each operator that added bytes, with the ledger already
+    updated. When it returns an exception, the operator's outputs are dropped (so the ledger is
+    back where it was before the operator) and the exception is raised from a frame that holds
+    none of them.
+    """
+
+    def __init__(
+        self,
+        ledger: StorageLedger,
+        check: Callable[[int], BaseException | None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.check = check
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        peak_before = self.ledger.peak_bytes
+        out = func(*args, **kwargs)
+        added = self._count(func, out, args, kwargs)
+        if added > 0 and self.check is not None:
+            error = self.check(added)
+            if error is not None:
+                del out  # the rejected outputs die here, before the error is raised
+                self.ledger.peak_bytes = peak_before  # they were never really allocated
+                raise error
+        return out
+
+    def _count(self, func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        input_keys = {_storage_key(t.untyped_storage()) for t in inputs if _has_storage(t)}
+        added = 0
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor) or not _has_storage(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if (
+                _storage_key(storage) in input_keys
+                and storage not in self.ledger
+                and func is not _LIFT_FRESH
+            ):
+                continue  # a view of a tensor this ledger does not own
+            added += self.ledger.add(storage)
+        schema = getattr(func, "_schema", None)
+        if schema is None or schema.is_mutable:  # in-place and out= operators may grow a storage
+            for tensor in inputs:
+                if _has_storage(tensor) and tensor.untyped_storage() in self.ledger:
+                    added += self.ledger.add(tensor.untyped_storage())
+        return added
+
+
+# ``torch.tensor(data)`` builds its tensor below the dispatcher and hands it to ``lift_fresh``:
+# the input of that operator is a new allocation, not a tensor that existed before.
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    return tensor.layout is torch.strided and not tensor.is_nested

@@ -1,0 +1,286 @@
+"""Device memory backends: one class per kind of device, found through one registry.
+
+Everything else in autobatch asks :func:`memory_for` about memory and never calls ``torch.cuda``
+(or ``torch.mps``, ``torch.xpu``) itself. Every call that a CPU-only build of torch refuses is
+guarded here (``torch.cuda.mem_get_info`` and ``synchronize`` raise ``AssertionError`` there, and
+``reset_peak_memory_stats`` raises ``AttributeError``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+DeviceLike = torch.device | str | int | None
+
+
+class DeviceMemory(ABC):
+    """The memory of one device, as autobatch sees it.
+
+    ``has_statistics`` is True when the backend can measure the peak of a step (CUDA, ROCm,
+    XPU, the simulated GPU); searches then fit a memory model instead of bisecting blindly.
+    """
+
+    has_statistics: ClassVar[bool] = False
+    #: The device types this backend serves.
+    device_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this build of torch and this machine have such a device."""
+        return True
+
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """The device's real total memory (not what this process's allocator holds)."""
+
+    def allocated_bytes(self) -> int:
+        """Bytes held by live tensors (0 where the backend cannot tell)."""
+        return 0
+
+    def peak_bytes(self) -> int:
+        """Highest :meth:`allocated_bytes` since the last :meth:`reset_peak` (0 if unknown)."""
+        return 0
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement."""
+
+    def free_bytes(self) -> int:
+        """Bytes that a new allocation can still get (device free plus this process's cache)."""
+        return max(self.capacity_bytes() - self.allocated_bytes(), 0)
+
+    def synchronize(self) -> None:
+        """Wait for queued work, so that failures and timings belong to the right step."""
+
+    def empty_cache(self) -> None:
+        """Return cached, unused blocks to the device."""
+
+    @property
+    def name(self) -> str:
+        """A human name for messages and cache keys."""
+        return str(self.device)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+
+class CudaMemory(DeviceMemory):
+    """NVIDIA CUDA and AMD ROCm (torch exposes HIP devices as ``cuda``)."""
+
+    has_statistics = True
+    device_types = ("cuda",)
+
+    @classmethod
+    def available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    def capacity_bytes(self) -> int:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    def allocated_bytes(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def free_bytes(self) -> int:
+        free, _total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(free + cached)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    @property
+    def name(self) -> str:
+        runtime = "ROCm" if torch.version.hip else "CUDA"
+        return f"{torch.cuda.get_device_name(self.device)} ({runtime}, {self.device})"
+
+
+class XpuMemory(DeviceMemory):
+    """Intel GPUs through ``torch.xpu``."""
+
+    has_statistics = True
+    device_types = ("xpu",)
+
+    @classmethod
+    def available(cls) -> bool:
+        xpu = getattr(torch, "xpu", None)
+        return bool(xpu is not None and xpu.is_available())
+
+    def capacity_bytes(self) -> int:
+        return int(torch.xpu.get_device_properties(self.device).total_memory)
+
+    def allocated_bytes(self) -> int:
+        return int(torch.xpu.memory_allocated(self.device))
+
+    def peak_bytes(self) -> int:
+        return int(torch.xpu.max_memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        torch.xpu.reset_peak_memory_stats(self.device)
+
+    def free_bytes(self) -> int:
+        if hasattr(torch.xpu, "mem_get_info"):
+            return int(torch.xpu.mem_get_info(self.device)[0])
+        return super().free_bytes()
+
+    def synchronize(self) -> None:
+        torch.xpu.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.xpu.empty_cache()
+
+
+class MpsMemory(DeviceMemory):
+    """Apple GPUs. MPS keeps no peak statistics, so searches bisect there."""
+
+    device_types = ("mps",)
+
+    @classmethod
+    def available(cls) -> bool:
+        return bool(torch.backends.mps.is_available())
+
+    def capacity_bytes(self) -> int:
+        recommended = getattr(torch.mps, "recommended_max_memory", None)
+        if recommended is not None:
+            return int(recommended())
+        return _system_memory()[0]
+
+    def allocated_bytes(self) -> int:
+        return int(torch.mps.current_allocated_memory())
+
+    def synchronize(self) -> None:
+        torch.mps.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.mps.empty_cache()
+
+
+class CpuMemory(DeviceMemory):
+    """Host memory. Capacity and free bytes come from the OS (and the cgroup limit, if lower)."""
+
+    device_types = ("cpu",)
+
+    def capacity_bytes(self) -> int:
+        return _system_memory()[0]
+
+    def free_bytes(self) -> int:
+        return _system_memory()[1]
+
+
+def _system_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory, honouring a cgroup v2/v1 limit."""
+    total = available = 0
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if ":" in line}
+        total = info.get("MemTotal", 0)
+        available = info.get("MemAvailable", info.get("MemFree", 0))
+    except OSError:
+        pass
+    if not total and hasattr(os, "sysconf"):
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            available = total
+        except (ValueError, OSError):
+            pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            limit = int(text)
+            available = min(available, limit)
+            total = limit
+    return total, available
+
+
+#: Backends tried in order; the simulated GPU registers a provider that takes precedence.
+BACKENDS: list[type[DeviceMemory]] = [CudaMemory, XpuMemory, MpsMemory, CpuMemory]
+
+#: Providers consulted before :data:`BACKENDS` (the simulated GPU installs one while active).
+_overrides: list[Callable[[torch.device], DeviceMemory | None]] = []
+
+
+def resolve_device(device: DeviceLike = None) -> torch.device:
+    """A concrete ``torch.device``: the given one with an index, else the best available.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
+    if device is None:
+        for backend in BACKENDS:
+            if backend.available():
+                return resolve_device(backend.device_types[0])
+        return torch.device("cpu")
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    index: int | None = device.index
+    if index is None and device.type in ("cuda", "xpu"):
+        module: Any = getattr(torch, device.type)
+        if module.is_available():
+            device = torch.device(device.type, module.current_device())
+    return device
+
+
+def memory_for(device: DeviceLike = None) -> DeviceMemory:
+    """The memory backend for ``device`` (the best available device when ``None``).
+
+    While a :class:`~autobatch.testing.SimulatedGPU` is active, the CPU reports its numbers.
+
+    >>> memory_for("cpu").capacity_bytes() > 0
+    True
+    """
+    resolved = resolve_device(device)
+    for provider in reversed(_overrides):
+        memory = provider(resolved)
+        if memory is not None:
+            return memory
+    for backend in BACKENDS:
+        if resolved.type in backend.device_types:
+            if not backend.available():
+                raise ValueError(
+                    f"device {resolved} is not available in this build of torch "
+                    f"({torch.__version__}); pass device='cpu' or a device that exists"
+                )
+            return backend(resolved)
+    raise ValueError(
+        f"device type {resolved.type!r} has no memory backend; supported: "
+        + ", ".join(t for b in BACKENDS for t in b.device_types)
+    )
+
+
+def free_memory(device: DeviceLike = None) -> None:
+    """Collect garbage and give cached device memory back, on ``device`` or every device.
+
+    Call it after leaving the ``except`` block of an out-of-memory error: inside it, the
+    exception's traceback still holds every tensor of the failed attempt.
+
+    >>> free_memory()  # safe on a CPU-only build of torch
+    """
+    gc.collect()
+    if device is not None:
+        targets = [memory_for(device)]
+    else:
+        targets = [b(resolve_device(b.device_types[0])) for b in BACKENDS if b.available()]
+    for memory in targets:
+        memory.synchronize()
+        memory.empty_cache()

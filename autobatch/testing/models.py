@@ -1,0 +1,95 @@
+"""Small real models for tests, benchmarks and the demo: an MLP, a conv net with BatchNorm and a
+transformer, each with a matching ``sample(n)`` that makes a labelled batch of ``n`` rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def mlp(width: int = 256, depth: int = 3, inputs: int = 128, classes: int = 10) -> nn.Module:
+    """A ReLU multi-layer perceptron."""
+    layers: list[nn.Module] = []
+    size = inputs
+    for _ in range(depth):
+        layers += [nn.Linear(size, width), nn.ReLU()]
+        size = width
+    layers.append(nn.Linear(size, classes))
+    return nn.Sequential(*layers)
+
+
+def conv_net(channels: int = 16, classes: int = 10) -> nn.Module:
+    """A small conv net with BatchNorm for 3x32x32 images."""
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(channels, 2 * channels, 3, padding=1),
+        nn.BatchNorm2d(2 * channels),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * channels, classes),
+    )
+
+
+class TinyTransformer(nn.Module):
+    """A token classifier: embedding, a ``nn.TransformerEncoder`` and a linear head."""
+
+    def __init__(
+        self,
+        vocab: int = 1000,
+        d_model: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        classes: int = 10,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=dropout, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+        return out
+
+
+def transformer(vocab: int = 1000, d_model: int = 64, layers: int = 2) -> nn.Module:
+    """A small transformer encoder classifier for token sequences."""
+    return TinyTransformer(vocab=vocab, d_model=d_model, layers=layers)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model factory with a sample factory: ``sample(n)`` -> ``(inputs, labels)``."""
+
+    name: str
+    model: Callable[[], nn.Module]
+    sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _images(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+
+
+def _vectors(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 128), torch.randint(0, 10, (n,))
+
+
+def _tokens(n: int, length: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 1000, (n, length)), torch.randint(0, 10, (n,))
+
+
+WORKLOADS: dict[str, Workload] = {
+    "mlp": Workload("mlp", mlp, _vectors),
+    "conv": Workload("conv", conv_net, _images),
+    "transformer": Workload("transformer", transformer, _tokens),
+}
