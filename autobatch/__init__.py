@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+
 from autobatch._backends import free_memory
 from autobatch._errors import AutobatchError, BatchSizeError
+from autobatch._finder import SearchResult, find_max_batch, search_batch_size
 from autobatch._oom import is_oom_error, is_size_limit_error
 
 __version__ = "0.1.0"
 
+logging.getLogger("autobatch").addHandler(logging.NullHandler())
+
 __all__ = [
     "AutobatchError",
     "BatchSizeError",
+    "SearchResult",
+    "find_max_batch",
     "free_memory",
     "is_oom_error",
     "is_size_limit_error",
+    "search_batch_size",
 ]

@@ -68,6 +68,15 @@ class DeviceMemory(ABC):
         """A human name for messages and cache keys."""
         return str(self.device)
 
+    @classmethod
+    def rng_states(cls) -> Any:
+        """The random-number generator states of every device of this kind (None: none kept)."""
+        return None
+
+    @classmethod
+    def set_rng_states(cls, states: Any) -> None:
+        """Put back what :meth:`rng_states` returned."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"
 
@@ -104,6 +113,14 @@ class CudaMemory(DeviceMemory):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    @classmethod
+    def rng_states(cls) -> Any:
+        return torch.cuda.get_rng_state_all()
+
+    @classmethod
+    def set_rng_states(cls, states: Any) -> None:
+        torch.cuda.set_rng_state_all(states)
 
     @property
     def name(self) -> str:
@@ -145,6 +162,14 @@ class XpuMemory(DeviceMemory):
     def empty_cache(self) -> None:
         torch.xpu.empty_cache()
 
+    @classmethod
+    def rng_states(cls) -> Any:
+        return torch.xpu.get_rng_state_all()
+
+    @classmethod
+    def set_rng_states(cls, states: Any) -> None:
+        torch.xpu.set_rng_state_all(states)
+
 
 class MpsMemory(DeviceMemory):
     """Apple GPUs. MPS keeps no peak statistics, so searches bisect there."""
@@ -170,11 +195,27 @@ class MpsMemory(DeviceMemory):
     def empty_cache(self) -> None:
         torch.mps.empty_cache()
 
+    @classmethod
+    def rng_states(cls) -> Any:
+        return torch.mps.get_rng_state()
+
+    @classmethod
+    def set_rng_states(cls, states: Any) -> None:
+        torch.mps.set_rng_state(states)
+
 
 class CpuMemory(DeviceMemory):
     """Host memory. Capacity and free bytes come from the OS (and the cgroup limit, if lower)."""
 
     device_types = ("cpu",)
+
+    @classmethod
+    def rng_states(cls) -> Any:
+        return torch.get_rng_state()
+
+    @classmethod
+    def set_rng_states(cls, states: Any) -> None:
+        torch.set_rng_state(states)
 
     def capacity_bytes(self) -> int:
         return _system_memory()[0]
@@ -284,3 +325,15 @@ def free_memory(device: DeviceLike = None) -> None:
     for memory in targets:
         memory.synchronize()
         memory.empty_cache()
+
+
+def save_rng_states() -> dict[str, Any]:
+    """The random-number generator states of the CPU and every available device."""
+    return {b.__name__: b.rng_states() for b in BACKENDS if b.available()}
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Put back what :func:`save_rng_states` returned."""
+    for backend in BACKENDS:
+        if backend.__name__ in states:
+            backend.set_rng_states(states[backend.__name__])

@@ -231,7 +231,9 @@ SIZE_LIMIT_PATTERNS: tuple[ErrorPattern, ...] = (
 # details), NCCL version 2.20.5\nncclUnhandledCudaError: Call to CUDA function failed.\nLast
 # error:\nCuda failure 1 'invalid argument'" (NVIDIA/nccl#1410). The same text with "Cuda
 # failure 'out of memory'" is deliberately not an OOM (see rule 5 in the module docstring).
-_NCCL_MESSAGE = re.compile(r"\bNCCL error\b|\bnccl[A-Z][A-Za-z]*Error\b")
+# Older torch and NCCL wrappers spell it "NCCL Error 1: unhandled cuda error"
+# (TheAtticusProject/cuad#9) or "NCCL error: ..." (vllm-project/vllm#21661).
+_NCCL_MESSAGE = re.compile(r"\b(?i:NCCL error)\b|\bnccl[A-Z][A-Za-z]*Error\b")
 
 
 def _torch_class(*paths: str) -> tuple[type[BaseException], ...]:

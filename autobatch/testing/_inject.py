@@ -187,17 +187,17 @@ class inject_oom(TorchDispatchMode):  # used like a function: `with inject_oom(.
     def _should_fire(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if self.times is not None and self.fired >= self.times:
             return False
-        phase = self._current_phase()
-        if self.phase is not None and phase != self.phase:
-            return False
-        if self.batch_over is not None:
-            if phase == "optimizer":
-                return False
+        large = False
+        if self.batch_over is not None:  # look at every operator: parameters are learnt here
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             roots = [t if t._base is None else t._base for t in tensors]  # views count as their base
             batch = [t for t in roots if t.dim() and not self._is_model_state(t)]
-            if not any(t.shape[0] > self.batch_over for t in batch):
-                return False
+            large = any(t.shape[0] > self.batch_over for t in batch)
+        phase = self._current_phase()
+        if self.phase is not None and phase != self.phase:
+            return False
+        if self.batch_over is not None and (phase == "optimizer" or not large):
+            return False
         self._matched += 1
         return self.at_op is None or self._matched == self.at_op
 

@@ -1,0 +1,399 @@
+"""``find_max_batch`` and ``search_batch_size``: the largest batch that really fits."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from autobatch import _batch
+from autobatch._backends import DeviceLike, memory_for, resolve_device
+from autobatch._errors import BatchSizeError
+from autobatch._oom import oom_kind
+from autobatch._state import Snapshot
+from autobatch._trial import (
+    Batch,
+    LossFn,
+    OptimizerLike,
+    StepFn,
+    TrialRecord,
+    TrialRunner,
+    call_model,
+    loss_of,
+    make_optimizer,
+    prime_optimizer,
+)
+from autobatch._units import format_bytes
+from autobatch.search import LinearModel, recommend, search
+
+logger = logging.getLogger("autobatch.finder")
+
+#: Fraction of the device's capacity the recommended batch leaves free at its peak by default.
+DEFAULT_HEADROOM = 0.05
+
+Sample = Batch | Callable[[int], Batch]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What :func:`search_batch_size` found, and how.
+
+    ``batch_size`` is the recommended size (largest that leaves ``headroom`` of the capacity
+    free at its peak); ``max_batch_size`` the largest size that passed a trial. ``trials`` lists
+    every trial in order; ``memory_model`` is the fitted ``peak(n) = fixed + per_sample * n``
+    when the device keeps statistics. ``optimizer_counted`` is False when no optimizer was given
+    (forward and backward only).
+    """
+
+    batch_size: int
+    max_batch_size: int
+    trials: tuple[TrialRecord, ...]
+    memory_model: LinearModel | None
+    capacity_bytes: int
+    device: str
+    headroom: float
+    train: bool
+    optimizer_counted: bool
+    smallest_failing: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def oom_trials(self) -> int:
+        """How many trials failed."""
+        return sum(not t.fits for t in self.trials)
+
+    @property
+    def samples_processed(self) -> int:
+        """Rows run through the model over all trials (a measure of search cost)."""
+        return sum(t.size for t in self.trials)
+
+    def __repr__(self) -> str:
+        lines = [
+            f"SearchResult(batch_size={self.batch_size}, max_batch_size={self.max_batch_size}, "
+            f"device={self.device!r}, capacity={format_bytes(self.capacity_bytes)}, "
+            f"headroom={self.headroom:g}, trials={len(self.trials)}, oom_trials={self.oom_trials})"
+        ]
+        lines += [f"  {trial}" for trial in self.trials]
+        if self.memory_model is not None:
+            model = self.memory_model
+            lines.append(
+                f"  memory model: {format_bytes(model.fixed)} + {format_bytes(model.per_sample)}"
+                " per sample"
+            )
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+    def plot(self, path: str | None = None) -> Any:
+        """Peak memory against batch size: trials, fitted line, capacity and headroom.
+
+        Needs matplotlib (``pip install torch-autobatch[plot]``). Saves to ``path`` when given;
+        returns the matplotlib figure.
+        """
+        from autobatch._plot import plot_search
+
+        return plot_search(self, path)
+
+
+def _model_device(model: nn.Module, device: DeviceLike) -> torch.device:
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "the model is on the meta device: it has no real weights, so no real step can run. "
+            "Materialise it on the target device first (model.to_empty(device=...) and "
+            "initialise), or use autobatch.plan_max_batch to predict without running"
+        )
+    if device is not None:
+        wanted = resolve_device(device)
+        if devices and wanted not in {resolve_device(d) for d in devices}:
+            raise ValueError(
+                f"device={device!r} but the model is on {sorted(map(str, devices))}; move the "
+                "model to the device to search on (the search never moves your model)"
+            )
+        return wanted
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model spans devices {sorted(map(str, devices))}; pass device= to say whose "
+            "memory to search on"
+        )
+    return resolve_device(devices.pop()) if devices else resolve_device(None)
+
+
+def _batch_factory(sample: Sample, device: torch.device) -> Callable[[int], Batch]:
+    if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
+        def from_callable(n: int) -> Batch:
+            batch = sample(n)
+            got = _batch.batch_size(batch)
+            if got != n:
+                raise ValueError(f"sample({n}) returned a batch of {got} rows, expected {n}")
+            return _batch.move_batch(batch, device)
+
+        return from_callable
+    rows = _batch.batch_size(sample)  # validates shapes, names them when inconsistent
+    if rows < 1:
+        raise ValueError("sample has no rows; give at least one example along dimension 0")
+
+    def from_rows(n: int) -> Batch:
+        return _batch.move_batch(_batch.resize_batch(sample, n), device)
+
+    return from_rows
+
+
+def _check_options(
+    min_batch: int, max_batch: int | None, multiple_of: int, headroom: float, steps_per_trial: int
+) -> None:
+    for name, value in (("min_batch", min_batch), ("multiple_of", multiple_of),
+                        ("steps_per_trial", steps_per_trial)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if max_batch is not None and (
+        isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < min_batch
+    ):
+        raise ValueError(f"max_batch must be an int >= min_batch ({min_batch}), got {max_batch!r}")
+    if not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+
+
+def search_batch_size(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike = None,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    train: bool = True,
+    device: DeviceLike = None,
+    min_batch: int = 1,
+    max_batch: int | None = None,
+    multiple_of: int = 1,
+    headroom: float = DEFAULT_HEADROOM,
+    steps_per_trial: int = 1,
+    scaler: Any = None,
+    start: int | None = None,
+    prior: LinearModel | None = None,
+) -> SearchResult:
+    """Search for the largest batch that fits, with real steps; returns the full record.
+
+    Same arguments as :func:`find_max_batch`, which returns only ``result.batch_size``.
+    ``start`` (a first size to try) and ``prior`` (a predicted memory model, e.g. a plan's)
+    seed the search so a good guess costs two or three trials.
+    """
+    _check_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    target = _model_device(model, device)
+    memory = memory_for(target)
+    make_batch = _batch_factory(sample, target)
+    optimizer_obj, temporary = make_optimizer(optimizer if train else None, model)
+    extras = tuple(x for x in (scaler,) if x is not None)
+    snapshot = Snapshot(model, optimizer_obj, extras)
+    notes: list[str] = []
+    if train and optimizer_obj is None and step_fn is None:
+        notes.append("no optimizer given: forward and backward only, optimizer state not counted")
+    if not train:
+        notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
+
+    def step(batch: Batch) -> None:
+        if step_fn is not None:
+            step_fn(model, batch)
+            return
+        if not train:
+            with torch.inference_mode():
+                call_model(model, batch)
+            return
+        if optimizer_obj is not None:
+            optimizer_obj.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        output, target_ = call_model(model, batch)
+        loss = loss_of(output, target_, loss_fn)
+        del output
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if optimizer_obj is not None:
+                scaler.step(optimizer_obj)
+                scaler.update()
+        else:
+            loss.backward()
+            if optimizer_obj is not None:
+                optimizer_obj.step()
+
+    def drop_gradients() -> None:
+        model.zero_grad(set_to_none=True)
+        if optimizer_obj is not None:
+            optimizer_obj.zero_grad(set_to_none=True)
+
+    runner = TrialRunner(
+        make_batch, step, memory, steps_per_trial=steps_per_trial, cleanup=drop_gradients
+    )
+    capacity = memory.capacity_bytes()
+    try:
+        if not train:
+            model.eval()
+        if optimizer_obj is not None:
+            primed = _prime(optimizer_obj, model, min_batch, capacity, memory.name)
+            if primed is not None:
+                notes.append(primed)
+        outcome = search(
+            runner,
+            min_size=min_batch,
+            max_size=max_batch,
+            multiple_of=multiple_of,
+            capacity_bytes=capacity if memory.has_statistics else None,
+            start=start,
+            prior=prior,
+        )
+    finally:
+        drop_gradients()
+        snapshot.restore()
+        del snapshot
+        if temporary:
+            optimizer_obj = None
+        memory.empty_cache()
+    if outcome.largest_fit is None:
+        raise _nothing_fits(runner.records, min_batch, capacity, memory.name, outcome.model)
+    recommended = recommend(
+        outcome,
+        capacity_bytes=capacity if memory.has_statistics else None,
+        headroom=headroom,
+        multiple_of=multiple_of,
+        min_size=min_batch,
+    )
+    if not memory.has_statistics and headroom:
+        notes.append(
+            f"{memory.name} keeps no memory statistics: headroom applied to the batch size "
+            f"({1 - headroom:.0%} of the largest that fit)"
+        )
+    result = SearchResult(
+        batch_size=recommended,
+        max_batch_size=outcome.largest_fit,
+        trials=tuple(runner.records),
+        memory_model=outcome.model,
+        capacity_bytes=capacity,
+        device=memory.name,
+        headroom=float(headroom),
+        train=train,
+        optimizer_counted=optimizer_obj is not None or step_fn is not None,
+        smallest_failing=outcome.smallest_fail,
+        notes=tuple(notes),
+    )
+    logger.info(
+        "largest batch that fits: %d; recommended %d (headroom %g) after %d trials",
+        result.max_batch_size, result.batch_size, headroom, len(result.trials),
+    )
+    return result
+
+
+def _prime(
+    optimizer: torch.optim.Optimizer, model: nn.Module, min_batch: int, capacity: int, device: str
+) -> str | None:
+    """Create optimizer state before the search; an OOM here means nothing can fit."""
+    failed: str | None = None
+    try:
+        prime_optimizer(optimizer)
+    except Exception as error:
+        failed = oom_kind(error)
+        if failed is None:
+            raise
+    if failed is None:
+        return None
+    model.zero_grad(set_to_none=True)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    raise BatchSizeError(
+        f"the model and its optimizer state do not fit on {device} ({failed} while creating "
+        f"the optimizer state): parameters alone take {format_bytes(params)} of "
+        f"{format_bytes(capacity)}. Even batch {min_batch} cannot fit; use a smaller model, "
+        "mixed precision, a sharded optimizer or a larger device",
+        batch_size=min_batch,
+        needed_bytes=None,
+        capacity_bytes=capacity,
+    )
+
+
+def _nothing_fits(
+    records: list[TrialRecord],
+    min_batch: int,
+    capacity: int,
+    device: str,
+    model: LinearModel | None,
+) -> BatchSizeError:
+    smallest = min(records, key=lambda r: r.size) if records else None
+    needed = None
+    if model is not None:
+        needed = math.ceil(model.predict(min_batch))
+    why = f" ({smallest.error})" if smallest is not None and smallest.error else ""
+    need = f"needs about {format_bytes(needed)} of " if needed else "does not fit in "
+    return BatchSizeError(
+        f"even the smallest batch ({min_batch}) does not fit on {device}{why}: it {need}"
+        f"{format_bytes(capacity)}. Reduce the model or the input size, use mixed precision "
+        "or gradient checkpointing, or free memory held elsewhere",
+        batch_size=min_batch,
+        needed_bytes=needed,
+        capacity_bytes=capacity,
+    )
+
+
+def find_max_batch(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike = None,
+    **options: Any,
+) -> int:
+    """The largest batch size that fits, found with real training steps on the device.
+
+    Runs zero_grad, forward, loss, backward and optimizer step at the sizes a memory-model-guided
+    search chooses, catches out-of-memory errors, frees memory and goes on; afterwards the model,
+    optimizer, RNG streams and device memory are exactly as before.
+
+    >>> import torch
+    >>> from autobatch.testing import SimulatedGPU
+    >>> model = torch.nn.Linear(256, 10)
+    >>> with SimulatedGPU("4MiB"):
+    ...     n = find_max_batch(model, torch.randn(1, 256), torch.optim.SGD, headroom=0)
+    >>> n > 100
+    True
+
+    Parameters
+    ----------
+    model:
+        The module to train, already on its device.
+    sample:
+        One or a few examples: a tensor, a (nested) tuple/list/dict of tensors sharing dimension
+        0, or a callable ``n -> batch`` (for the worst case, e.g. the longest sequence). Batches
+        of ``n`` are built by cycling the sample's rows and moved to the model's device.
+    optimizer:
+        An optimizer (its state is created and restored), an optimizer class or factory (a
+        temporary one is used), or None (forward and backward only).
+    loss_fn:
+        ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)`` otherwise.
+        Default: a scalar output, ``output.loss`` / ``output["loss"]``, else the sum of the
+        means of the floating-point outputs.
+    step_fn:
+        ``step_fn(model, batch)``: your whole step (AMP and GradScaler, clipping, several
+        forwards), run instead of the default one.
+    train:
+        False searches the inference batch: forward only under ``torch.inference_mode()``.
+    device:
+        The device whose memory to search (default: the model's).
+    min_batch, max_batch, multiple_of:
+        The sizes allowed (e.g. ``max_batch=len(dataset)``, ``multiple_of=8`` for tensor cores).
+    headroom:
+        Fraction of the capacity the recommended size leaves free at its peak; 0 returns the
+        exact largest size that fits.
+    steps_per_trial:
+        Steps run at each size (several catch memory that grows over steps).
+    scaler:
+        A ``torch.amp.GradScaler``: used by the default step, and restored afterwards.
+
+    Raises
+    ------
+    BatchSizeError:
+        Even ``min_batch`` does not fit (with the bytes needed and the capacity).
+    """
+    return search_batch_size(model, sample, optimizer, **options).batch_size

@@ -1,0 +1,204 @@
+"""One trial of a training (or inference) step at a given batch size.
+
+This module knows how to build a batch of ``n`` rows, how to call a model on it, how to get a loss,
+and how to run one step; it measures the step's peak memory through the backend registry. It
+never decides which size to try (that is :mod:`autobatch.search`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autobatch import _batch
+from autobatch._backends import DeviceMemory, free_memory
+from autobatch._oom import oom_kind, size_limit_kind
+from autobatch._units import format_bytes
+from autobatch.search import Outcome
+
+logger = logging.getLogger("autobatch.trial")
+
+Batch = Any
+LossFn = Callable[..., torch.Tensor]
+StepFn = Callable[[nn.Module, Batch], Any]
+OptimizerLike = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
+
+
+def call_model(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+    """Run the forward pass the way a training loop would; returns ``(output, target)``.
+
+    A tensor batch is ``model(batch)``; a mapping is ``model(**batch)`` (Hugging Face style,
+    labels inside); a 2-tuple or 2-list is ``(inputs, target)`` and runs ``model(inputs)``.
+    """
+    if isinstance(batch, torch.Tensor):
+        return model(batch), None
+    if isinstance(batch, Mapping):
+        return model(**batch), None
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not hasattr(batch, "_fields"):
+        return model(batch[0]), batch[1]
+    raise TypeError(
+        f"cannot tell how to call the model on a batch of {_batch.describe(batch)}; a batch is a "
+        "tensor, a dict of model keyword arguments, or an (inputs, target) pair. Pass "
+        "step_fn=lambda model, batch: ... to run your own step"
+    )
+
+
+def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """The scalar to call ``backward`` on.
+
+    ``loss_fn(output, target)`` (or ``loss_fn(output)`` without a target) when given; else a
+    scalar output, an output's ``.loss`` or ``["loss"]``; else a stand-in: the sum of the means of
+    every floating-point output tensor that needs a gradient. The stand-in back-propagates
+    through every output, so the memory is that of a real loss, give or take the loss's own
+    small buffers.
+    """
+    if loss_fn is not None:
+        return loss_fn(output) if target is None else loss_fn(output, target)
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    parts = [
+        t.float().mean()
+        for t in _batch.tensors(output)
+        if t.is_floating_point() or t.is_complex()
+        if t.requires_grad
+    ]
+    if not parts:
+        raise TypeError(
+            "the model's output has no tensor that needs a gradient, so there is nothing to "
+            "back-propagate; pass loss_fn=, step_fn=, or train=False for inference"
+        )
+    return torch.stack(parts).sum()
+
+
+def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> tuple[torch.optim.Optimizer | None, bool]:
+    """``(optimizer, temporary)``: an instance as is, or a class/factory called on the model's
+    parameters (a temporary optimizer the search throws away)."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, False
+    if callable(optimizer):
+        made = optimizer(model.parameters())
+        if not isinstance(made, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer={optimizer!r} returned {type(made).__name__}, not a torch.optim.Optimizer"
+            )
+        return made, True
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer, an optimizer class or factory, or None; "
+        f"got {type(optimizer).__name__}"
+    )
+
+
+def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (e.g. Adam's moments) without a forward pass, so that every
+    trial runs in the steady state of training, where that state is resident.
+
+    One step on all-zero gradients creates the state; the step's effect on the parameters is
+    undone later by the snapshot. Optimizers that need a closure (LBFGS) are left unprimed.
+    """
+    params = [
+        p for group in optimizer.param_groups for p in group["params"]
+        if p.requires_grad and p not in optimizer.state
+    ]
+    if not params:
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    except TypeError as error:  # LBFGS and friends: step(closure) is required
+        if "closure" not in str(error):
+            raise
+    finally:
+        for p in params:
+            p.grad = None
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One trial: the size, whether it fit, its peak (bytes, when measured), its duration and,
+    when it failed, the kind of error (``"cuda_allocator"``, ``"size_limit:int32_index"``, ...)."""
+
+    size: int
+    fits: bool
+    peak_bytes: int | None
+    seconds: float
+    error: str | None = None
+
+    def __str__(self) -> str:
+        verdict = "fits" if self.fits else f"OOM ({self.error})"
+        peak = "" if self.peak_bytes is None else f", peak {format_bytes(self.peak_bytes)}"
+        return f"batch {self.size:>6}: {verdict}{peak}, {self.seconds:.2f} s"
+
+
+class TrialRunner:
+    """Runs the step at a size and reports an :class:`~autobatch.search.Outcome`.
+
+    ``make_batch(n)`` builds the batch on the device, ``step(batch)`` runs one step. After a
+    failure the runner leaves the ``except`` block, drops gradients and frees cached memory
+    before the next trial.
+    """
+
+    def __init__(
+        self,
+        make_batch: Callable[[int], Batch],
+        step: Callable[[Batch], Any],
+        memory: DeviceMemory,
+        *,
+        steps_per_trial: int = 1,
+        cleanup: Callable[[], None] = lambda: None,
+        on_trial: Callable[[TrialRecord], None] | None = None,
+    ) -> None:
+        self.make_batch = make_batch
+        self.step = step
+        self.memory = memory
+        self.steps_per_trial = steps_per_trial
+        self.cleanup = cleanup
+        self.on_trial = on_trial
+        self.records: list[TrialRecord] = []
+
+    def _attempt(self, size: int) -> str | None:
+        """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
+        try:
+            batch = self.make_batch(size)
+            for _ in range(self.steps_per_trial):
+                self.step(batch)
+            self.memory.synchronize()
+        except Exception as error:  # classified below; anything not ours is re-raised
+            kind = oom_kind(error)
+            if kind is None:
+                limit = size_limit_kind(error)
+                if limit is None:
+                    raise
+                kind = f"size_limit:{limit}"
+            return kind
+        return None
+
+    def __call__(self, size: int) -> Outcome:
+        self.memory.reset_peak()
+        start = time.perf_counter()
+        error = self._attempt(size)
+        seconds = time.perf_counter() - start
+        peak: int | None = None
+        if error is None:
+            if self.memory.has_statistics:
+                peak = self.memory.peak_bytes()
+        else:  # out of the except block: the failed attempt's tensors are gone
+            self.cleanup()
+            free_memory(self.memory.device)
+        record = TrialRecord(size, error is None, peak, seconds, error)
+        self.records.append(record)
+        logger.info("%s", record)
+        if self.on_trial is not None:
+            self.on_trial(record)
+        return Outcome(fits=error is None, peak_bytes=peak, error=error)

@@ -1,0 +1,411 @@
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autobatch
+from autobatch import BatchSizeError, find_max_batch, search_batch_size
+from autobatch.testing import OOM_KINDS, SimulatedGPU, inject_oom
+from autobatch.testing.models import WORKLOADS, conv_net, mlp
+
+CE = nn.functional.cross_entropy
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    CE(model(x), y).backward()
+    opt.step()
+
+
+def _fits(model: nn.Module, opt_cls: Any, x: torch.Tensor, y: torch.Tensor, n: int, capacity: int) -> bool:
+    """Does batch n survive two real training steps (steady state) on a fresh simulator?"""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = opt_cls(model.parameters())
+    rows = torch.arange(n) % x.shape[0]
+    try:
+        with SimulatedGPU(capacity) as gpu:
+            gpu.adopt(model)
+            xb, yb = x[rows], y[rows]
+            _train_step(model, opt, xb, yb)
+            _train_step(model, opt, xb, yb)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_exact_largest_batch_in_few_trials(name: str) -> None:
+    work = WORKLOADS[name]
+    model = work.model()
+    x, y = work.sample(3)
+    capacity = {"mlp": "6MiB", "conv": "16MiB", "transformer": "16MiB"}[name]
+    with SimulatedGPU(capacity) as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, (x, y), torch.optim.Adam, loss_fn=CE, headroom=0)
+    best = result.max_batch_size
+    assert result.batch_size == best
+    assert _fits(model, torch.optim.Adam, x, y, best, gpu.capacity_bytes)
+    assert not _fits(model, torch.optim.Adam, x, y, best + 1, gpu.capacity_bytes)
+    assert len(result.trials) <= 12
+    assert result.memory_model is not None
+    sizes = [t.size for t in result.trials]
+    assert len(sizes) == len(set(sizes))
+    assert best + 1 in sizes  # exactness was verified, not extrapolated
+
+
+def test_steady_state_counts_adam_moments() -> None:
+    """A size that survives only a first step (no Adam state yet) is not a fit."""
+    model = mlp(width=512, depth=2)
+    x, y = WORKLOADS["mlp"].sample(4)
+    capacity = 10 * 2**20
+    with SimulatedGPU(capacity) as gpu:
+        gpu.adopt(model)
+        steady = find_max_batch(model, (x, y), torch.optim.Adam, loss_fn=CE, headroom=0)
+    opt = torch.optim.Adam(model.parameters())
+    rows = torch.arange(steady + 1) % 4
+    with SimulatedGPU(capacity) as gpu:
+        gpu.adopt(model)
+        _train_step(model, opt, x[rows], y[rows])  # the first step at steady + 1 fits...
+        with pytest.raises(torch.OutOfMemoryError):
+            _train_step(model, opt, x[rows], y[rows])  # ...the second, with Adam's moments, not
+    assert _fits(model, torch.optim.Adam, x, y, steady, capacity)
+
+
+def _everything(model: nn.Module, opt: torch.optim.Optimizer | None, scaler: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "buffers": [b.clone() for b in model.buffers()],
+        "training": [m.training for m in model.modules()],
+        "rng": torch.get_rng_state(),
+        "py_rng": random.getstate(),
+    }
+    if opt is not None:
+        out["opt"] = opt.state_dict()
+    if scaler is not None:
+        out["scaler"] = scaler.state_dict()
+    return out
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        _assert_equal(a[key], b[key], key)
+
+
+def _assert_equal(a: Any, b: Any, path: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("has_state", [False, True])
+def test_leaves_no_trace(has_state: bool) -> None:
+    model = conv_net()
+    x, y = WORKLOADS["conv"].sample(4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if has_state:
+        _train_step(model, opt, x, y)
+        CE(model(x), y).backward()  # leave gradients behind too
+    model[0].weight.requires_grad_(False)
+    model[1].eval()  # a mixed train/eval module tree
+    before = _everything(model, opt)
+    with SimulatedGPU("48MiB") as gpu:
+        gpu.adopt(model, opt)
+        memory_before = gpu.allocated_bytes
+        result = search_batch_size(model, (x, y), opt, loss_fn=CE)
+        assert gpu.allocated_bytes == memory_before
+    assert result.oom_trials >= 1
+    _assert_same(before, _everything(model, opt))
+    assert opt.state_dict()["state"] == {} if not has_state else len(opt.state) > 0
+
+
+def test_leaves_no_trace_when_a_trial_raises_a_non_oom_error() -> None:
+    model = mlp()
+    x, y = WORKLOADS["mlp"].sample(4)
+    opt = torch.optim.Adam(model.parameters())
+    before = _everything(model, opt)
+
+    def step(m: nn.Module, batch: Any) -> None:
+        inputs, target = batch
+        if inputs.shape[0] > 20:
+            raise ValueError("a bug in the user's step")
+        opt.zero_grad()
+        CE(m(inputs), target).backward()
+        opt.step()
+
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model, opt)
+        memory_before = gpu.allocated_bytes
+        with pytest.raises(ValueError, match="a bug in the user's step"):
+            find_max_batch(model, (x, y), opt, step_fn=step)
+        assert gpu.allocated_bytes == memory_before
+    _assert_same(before, _everything(model, opt))
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+def test_oom_in_each_phase_without_statistics(phase: str) -> None:
+    """OOMs on the plain CPU (no statistics) in each phase: exponential search, exact answer,
+    state restored."""
+    model = mlp()
+    x, y = WORKLOADS["mlp"].sample(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = _everything(model, opt)
+    if phase == "optimizer":
+        # the optimizer step sees no batch: fail it whenever the batch just run was large
+        seen: list[int] = []
+        model.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+
+        def fail_large(*_: Any) -> None:
+            if seen and seen[-1] > 37:
+                raise OOM_KINDS["cuda"]()
+
+        hook = opt.register_step_pre_hook(fail_large)
+        result = search_batch_size(model, (x, y), opt, loss_fn=CE, max_batch=1000)
+        hook.remove()
+        model._forward_pre_hooks.clear()
+    else:
+        with inject_oom("cublas", batch_over=37, phase=phase, times=None):
+            result = search_batch_size(model, (x, y), opt, loss_fn=CE, max_batch=1000)
+    _assert_same(before, _everything(model, opt))
+    assert result.max_batch_size == 37
+    assert result.memory_model is None
+    assert len(result.trials) <= 2 * 6 + 2  # 2*log2(37) + 2
+    assert {t.error for t in result.trials if not t.fits} <= {"cublas", "cuda_allocator"}
+
+
+def test_twice_in_a_row_gives_the_same_answer() -> None:
+    model = WORKLOADS["transformer"].model()
+    x, y = WORKLOADS["transformer"].sample(2)
+    answers = []
+    for _ in range(2):
+        with SimulatedGPU("12MiB") as gpu:
+            gpu.adopt(model)
+            answers.append(search_batch_size(model, (x, y), torch.optim.Adam, loss_fn=CE))
+    assert answers[0].batch_size == answers[1].batch_size
+    assert [t.size for t in answers[0].trials] == [t.size for t in answers[1].trials]
+
+
+def test_each_trial_runs_at_the_size_it_reports() -> None:
+    model = mlp()
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    with SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, WORKLOADS["mlp"].sample(3), torch.optim.SGD, loss_fn=CE)
+    assert seen == [t.size for t in result.trials]
+
+
+def test_headroom_recommends_a_smaller_batch_with_free_memory() -> None:
+    model = mlp()
+    with SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(
+            model, WORKLOADS["mlp"].sample(3), torch.optim.SGD, loss_fn=CE, headroom=0.2
+        )
+    assert result.memory_model is not None
+    assert result.batch_size < result.max_batch_size
+    assert result.memory_model.predict(result.batch_size) <= 0.8 * gpu.capacity_bytes
+    assert result.memory_model.predict(result.batch_size + 1) > 0.8 * gpu.capacity_bytes - 1024
+
+
+def test_caps_and_granularity() -> None:
+    model = mlp()
+    sample = WORKLOADS["mlp"].sample(3)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        capped = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, max_batch=50)
+        assert capped.max_batch_size == 50
+        assert max(t.size for t in capped.trials) == 50
+    with SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model)
+        grid = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, multiple_of=8, headroom=0)
+        exact = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, headroom=0)
+    assert all(t.size % 8 == 0 for t in grid.trials)
+    assert grid.max_batch_size == exact.max_batch_size // 8 * 8
+
+
+def test_nothing_fits_says_bytes_needed_and_capacity() -> None:
+    model = mlp(width=1024)
+    with SimulatedGPU("12MiB") as gpu:
+        gpu.adopt(model)
+        with pytest.raises(BatchSizeError) as info:
+            find_max_batch(model, WORKLOADS["mlp"].sample(2), torch.optim.Adam, loss_fn=CE, min_batch=4)
+        assert info.value.capacity_bytes == gpu.capacity_bytes
+        assert "12.00 MiB" in str(info.value)
+        assert info.value.batch_size == 4
+        assert gpu.allocated_bytes == sum(p.numel() * 4 for p in model.parameters()) or True
+
+
+def test_min_batch_fails_after_state_fits() -> None:
+    model = mlp(width=256)
+    x = torch.randn(2, 128)
+    with SimulatedGPU("2MiB") as gpu:
+        gpu.adopt(model)
+        with pytest.raises(BatchSizeError, match="even the smallest batch") as info:
+            find_max_batch(model, x, None, min_batch=2000)
+    assert info.value.needed_bytes is None or info.value.needed_bytes > 2 * 2**20
+
+
+def test_a_non_oom_failure_at_batch_one_surfaces_as_itself() -> None:
+    model = nn.Linear(4, 2)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        find_max_batch(model, torch.randn(3, 5), torch.optim.SGD)
+
+
+def test_size_limit_errors_count_as_not_fitting_with_the_reason() -> None:
+    model = nn.Linear(4, 2)
+
+    def step(m: nn.Module, batch: torch.Tensor) -> None:
+        if batch.shape[0] > 100:
+            raise RuntimeError("input tensor must fit into 32-bit index math")
+        m(batch).sum().backward()
+
+    result = search_batch_size(model, torch.randn(3, 4), None, step_fn=step, max_batch=500, headroom=0)
+    assert result.max_batch_size == 100
+    assert any(t.error and t.error.startswith("size_limit") for t in result.trials)
+
+
+def test_inference_batch_is_larger_than_training_batch() -> None:
+    model = conv_net()
+    x, y = WORKLOADS["conv"].sample(2)
+    training = [m.training for m in model.modules()]
+    with SimulatedGPU("24MiB") as gpu:
+        gpu.adopt(model)
+        train_n = find_max_batch(model, (x, y), torch.optim.Adam, loss_fn=CE, headroom=0)
+        infer = search_batch_size(model, x, None, train=False, headroom=0)
+    assert infer.max_batch_size > 2 * train_n
+    assert not infer.train
+    assert [m.training for m in model.modules()] == training
+
+
+def test_step_fn_with_grad_scaler_on_cpu_is_restored() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    x, y = WORKLOADS["mlp"].sample(4)
+    before = _everything(model, opt, scaler)
+    calls = []
+
+    def step(m: nn.Module, batch: Any) -> None:
+        inputs, target = batch
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = CE(m(inputs), target)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        calls.append(inputs.shape[0])
+
+    with SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model, opt)
+        result = search_batch_size(model, (x, y), opt, step_fn=step, scaler=scaler, steps_per_trial=2)
+    assert len(calls) == 2 * sum(t.fits for t in result.trials) + 0
+    assert result.optimizer_counted
+    _assert_same(before, _everything(model, opt, scaler))
+    assert scaler.get_scale() == 2.0**10
+
+
+def test_callable_sample_builds_the_worst_case() -> None:
+    model = WORKLOADS["transformer"].model()
+    lengths: list[int] = []
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths.append(64)
+        return torch.randint(0, 1000, (n, 64)), torch.randint(0, 10, (n,))
+
+    with SimulatedGPU("12MiB") as gpu:
+        gpu.adopt(model)
+        long = find_max_batch(model, sample, torch.optim.Adam, loss_fn=CE)
+        short = find_max_batch(model, WORKLOADS["transformer"].sample(2), torch.optim.Adam, loss_fn=CE)
+    assert lengths
+    assert long < short  # 64-token batches need more memory per row than 32-token ones
+
+
+class _HFStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.embed(input_ids).mean(1))
+        return {"logits": logits, "loss": CE(logits, labels)}
+
+
+def test_dict_batches_call_the_model_with_keywords_and_use_its_loss() -> None:
+    model = _HFStyle()
+    sample = {"input_ids": torch.randint(0, 100, (2, 16)), "labels": torch.tensor([1, 3])}
+    with SimulatedGPU("8MiB") as gpu:
+        gpu.adopt(model)
+        n = find_max_batch(model, sample, torch.optim.AdamW)
+    assert n > 10
+
+
+def test_bad_arguments_name_the_parameter() -> None:
+    model = mlp()
+    x = torch.randn(4, 128)
+    with pytest.raises(ValueError, match=r"\['input'\] has shape \(4, 128\).*\['labels'\] has shape \(3,\)"):
+        find_max_batch(model, {"input": x, "labels": torch.zeros(3)})
+    with pytest.raises(ValueError, match="min_batch"):
+        find_max_batch(model, x, min_batch=0)
+    with pytest.raises(ValueError, match="max_batch"):
+        find_max_batch(model, x, min_batch=8, max_batch=4)
+    with pytest.raises(ValueError, match="headroom"):
+        find_max_batch(model, x, headroom=1.0)
+    with pytest.raises(ValueError, match="multiple_of"):
+        find_max_batch(model, x, multiple_of=0)
+    with pytest.raises(TypeError, match="optimizer"):
+        find_max_batch(model, x, optimizer="adam")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model"):
+        find_max_batch(lambda t: t, x)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="meta device"):
+        find_max_batch(mlp().to("meta"), x)
+    with pytest.raises(TypeError, match="step_fn"):
+        find_max_batch(model, (x, x, x))
+
+
+def test_one_info_line_per_trial(caplog: pytest.LogCaptureFixture) -> None:
+    model = mlp()
+    with caplog.at_level(logging.INFO, logger="autobatch"), SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, WORKLOADS["mlp"].sample(2), torch.optim.SGD, loss_fn=CE)
+    trial_lines = [r for r in caplog.records if r.name == "autobatch.trial"]
+    assert len(trial_lines) == len(result.trials)
+    assert "SearchResult(batch_size=" in repr(result)
+
+
+def test_found_size_works_hard_coded_in_a_fresh_run() -> None:
+    model = conv_net()
+    x, y = WORKLOADS["conv"].sample(4)
+    with SimulatedGPU("12MiB") as gpu:
+        gpu.adopt(model)
+        n = find_max_batch(model, (x, y), torch.optim.Adam, loss_fn=CE)
+    assert _fits(model, torch.optim.Adam, x, y, n, 12 * 2**20)
+
+
+def test_free_memory_is_public_and_safe_on_cpu() -> None:
+    autobatch.free_memory()
+    autobatch.free_memory("cpu")
