@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 #: The CUDA caching allocator hands out blocks in multiples of 512 bytes (``kMinBlockSize`` in
 #: c10/cuda/CUDACachingAllocator.cpp); ``memory_allocated`` reports the rounded sizes.
@@ -159,11 +158,13 @@ class CountingMode(TorchDispatchMode):
         return out
 
     def _count(self, func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = _tensors(args)
+        if kwargs:
+            inputs += _tensors(tuple(kwargs.values()))
         input_keys = {_storage_key(t.untyped_storage()) for t in inputs if _has_storage(t)}
         added = 0
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor) or not _has_storage(tensor):
+        for tensor in _tensors((out,)):
+            if not _has_storage(tensor):
                 continue
             storage = tensor.untyped_storage()
             if (
@@ -173,8 +174,7 @@ class CountingMode(TorchDispatchMode):
             ):
                 continue  # a view of a tensor this ledger does not own
             added += self.ledger.add(storage)
-        schema = getattr(func, "_schema", None)
-        if schema is None or schema.is_mutable:  # in-place and out= operators may grow a storage
+        if _is_mutable(func):  # in-place and out= operators may grow a storage
             for tensor in inputs:
                 if _has_storage(tensor) and tensor.untyped_storage() in self.ledger:
                     added += self.ledger.add(tensor.untyped_storage())
@@ -184,6 +184,29 @@ class CountingMode(TorchDispatchMode):
 # ``torch.tensor(data)`` builds its tensor below the dispatcher and hands it to ``lift_fresh``:
 # the input of that operator is a new allocation, not a tensor that existed before.
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+_MUTABLE: dict[Any, bool] = {}
+
+
+def _is_mutable(func: Any) -> bool:
+    """Whether an operator writes to any of its arguments (cached: schemas do not change)."""
+    mutable = _MUTABLE.get(func)
+    if mutable is None:
+        schema = getattr(func, "_schema", None)
+        mutable = _MUTABLE[func] = schema is None or bool(schema.is_mutable)
+    return mutable
+
+
+def _tensors(values: tuple[Any, ...] | list[Any]) -> list[torch.Tensor]:
+    """The tensors among operator arguments or results (which nest only in lists and tuples)."""
+    found: list[torch.Tensor] = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += _tensors(value)
+    return found
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:
