@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,9 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from autobatch import _batch
+from autobatch import _batch, _distributed
 from autobatch._backends import DeviceLike, memory_for, resolve_device
-from autobatch._errors import BatchSizeError
+from autobatch._errors import AutobatchError, BatchSizeError
+from autobatch._log import get_logger
 from autobatch._oom import oom_kind
 from autobatch._state import Snapshot
 from autobatch._trial import (
@@ -29,9 +29,9 @@ from autobatch._trial import (
     prime_optimizer,
 )
 from autobatch._units import format_bytes
-from autobatch.search import LinearModel, recommend, search
+from autobatch.search import LinearModel, Outcome, recommend, search
 
-logger = logging.getLogger("autobatch.finder")
+logger = get_logger("finder")
 
 #: Fraction of the device's capacity the recommended batch leaves free at its peak by default.
 DEFAULT_HEADROOM = 0.05
@@ -177,12 +177,18 @@ def search_batch_size(
     scaler: Any = None,
     start: int | None = None,
     prior: LinearModel | None = None,
+    sync_ranks: bool = True,
 ) -> SearchResult:
     """Search for the largest batch that fits, with real steps; returns the full record.
 
     Same arguments as :func:`find_max_batch`, which returns only ``result.batch_size``.
     ``start`` (a first size to try) and ``prior`` (a predicted memory model, e.g. a plan's)
     seed the search so a good guess costs two or three trials.
+
+    Under an initialised torch.distributed process group every rank runs the same trials in
+    lockstep and each verdict is agreed (a size fits only if it fits on every rank; the
+    capacity is the smallest rank's), so all ranks return the same result. ``sync_ranks=False``
+    searches each rank on its own.
     """
     _check_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
     if not isinstance(model, nn.Module):
@@ -232,16 +238,17 @@ def search_batch_size(
     runner = TrialRunner(
         make_batch, step, memory, steps_per_trial=steps_per_trial, cleanup=drop_gradients
     )
+    sync = sync_ranks and _distributed.active()
     capacity = memory.capacity_bytes()
+    if sync:
+        capacity = _distributed.all_min([capacity])[0]
     try:
         if not train:
             model.eval()
         if optimizer_obj is not None:
-            primed = _prime(optimizer_obj, model, min_batch, capacity, memory.name)
-            if primed is not None:
-                notes.append(primed)
+            _prime(optimizer_obj, model, min_batch, capacity, memory.name, sync)
         outcome = search(
-            runner,
+            _agreeing(runner) if sync else runner,
             min_size=min_batch,
             max_size=max_batch,
             multiple_of=multiple_of,
@@ -290,9 +297,42 @@ def search_batch_size(
     return result
 
 
+def _agreeing(runner: TrialRunner) -> Callable[[int], Outcome]:
+    """The runner's probe, with every verdict agreed by all ranks in one collective per trial.
+
+    A rank whose trial raises a non-OOM error still takes part in the collective (so no rank
+    waits forever), then re-raises; the other ranks raise an :class:`AutobatchError` naming it.
+    """
+
+    def probe(size: int) -> Outcome:
+        try:
+            mine = runner(size)
+        except Exception:
+            _distributed.all_max([1, 1, -1])
+            raise
+        crashed, failed, peak = _distributed.all_max(
+            [0, int(not mine.fits), -1 if mine.peak_bytes is None else mine.peak_bytes]
+        )
+        if crashed:
+            raise AutobatchError(
+                f"another rank failed with an error that is not out-of-memory during the trial "
+                f"at batch {size}; see that rank's traceback"
+            )
+        if failed and mine.fits:
+            return Outcome(fits=False, error="oom on another rank")
+        return Outcome(fits=not failed, peak_bytes=None if peak < 0 else peak, error=mine.error)
+
+    return probe
+
+
 def _prime(
-    optimizer: torch.optim.Optimizer, model: nn.Module, min_batch: int, capacity: int, device: str
-) -> str | None:
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    min_batch: int,
+    capacity: int,
+    device: str,
+    sync: bool,
+) -> None:
     """Create optimizer state before the search; an OOM here means nothing can fit."""
     failed: str | None = None
     try:
@@ -300,9 +340,15 @@ def _prime(
     except Exception as error:
         failed = oom_kind(error)
         if failed is None:
+            if sync:
+                _distributed.failed_ranks(True)
             raise
+    if sync:
+        ranks = _distributed.failed_ranks(failed is not None)
+        if ranks and failed is None:
+            failed = f"on rank {ranks[0]}"
     if failed is None:
-        return None
+        return
     model.zero_grad(set_to_none=True)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     raise BatchSizeError(

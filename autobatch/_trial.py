@@ -7,7 +7,6 @@ never decides which size to try (that is :mod:`autobatch.search`).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,11 +17,12 @@ from torch import nn
 
 from autobatch import _batch
 from autobatch._backends import DeviceMemory, free_memory
+from autobatch._log import get_logger
 from autobatch._oom import oom_kind, size_limit_kind
 from autobatch._units import format_bytes
 from autobatch.search import Outcome
 
-logger = logging.getLogger("autobatch.trial")
+logger = get_logger("trial")
 
 Batch = Any
 LossFn = Callable[..., torch.Tensor]
