@@ -8,6 +8,7 @@ from autobatch._backends import free_memory
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import SearchResult, find_max_batch, search_batch_size
 from autobatch._oom import is_oom_error, is_size_limit_error
+from autobatch._planner import Plan, PlanBreakdown, plan_max_batch
 
 __version__ = "0.1.0"
 
@@ -16,10 +17,13 @@ logging.getLogger("autobatch").addHandler(logging.NullHandler())
 __all__ = [
     "AutobatchError",
     "BatchSizeError",
+    "Plan",
+    "PlanBreakdown",
     "SearchResult",
     "find_max_batch",
     "free_memory",
     "is_oom_error",
     "is_size_limit_error",
+    "plan_max_batch",
     "search_batch_size",
 ]

@@ -177,13 +177,15 @@ def search_batch_size(
     scaler: Any = None,
     start: int | None = None,
     prior: LinearModel | None = None,
+    plan: bool = False,
     sync_ranks: bool = True,
 ) -> SearchResult:
     """Search for the largest batch that fits, with real steps; returns the full record.
 
     Same arguments as :func:`find_max_batch`, which returns only ``result.batch_size``.
     ``start`` (a first size to try) and ``prior`` (a predicted memory model, e.g. a plan's)
-    seed the search so a good guess costs two or three trials.
+    seed the search so a good guess costs two or three trials; ``plan=True`` gets both from
+    :func:`autobatch.plan_max_batch` first (seconds on the meta device, no real memory).
 
     Under an initialised torch.distributed process group every rank runs the same trials in
     lockstep and each verdict is agreed (a size fits only if it fits on every rank; the
@@ -242,6 +244,20 @@ def search_batch_size(
     capacity = memory.capacity_bytes()
     if sync:
         capacity = _distributed.all_min([capacity])[0]
+    if plan and start is None and prior is None:
+        from autobatch._planner import plan_max_batch  # lazy: the planner imports this module
+
+        try:
+            planned = plan_max_batch(
+                model, sample, optimizer if train else None, capacity,
+                loss_fn=loss_fn, step_fn=step_fn, train=train, min_batch=min_batch,
+                max_batch=max_batch, multiple_of=multiple_of, device_type=target.type,
+            )
+        except AutobatchError as error:  # cannot plan, or nothing fits: real trials decide
+            notes.append(f"plan skipped: {str(error).splitlines()[0]}")
+        else:
+            start, prior = planned.max_batch_size, planned.memory_model
+            notes.append(f"seeded by a plan: batch {start} in {planned.seconds:.2f} s")
     try:
         if not train:
             model.eval()

@@ -53,11 +53,16 @@ def overhead_table(repeats: int = 15) -> list[str]:
         opt = torch.optim.Adam(model.parameters())
         x, y = sample(n)
         _step(model, opt, x, y)  # Adam state exists
-        plain = _min_time(lambda: _step(model, opt, x, y), repeats)
+
+        def run(model: nn.Module = model, opt: torch.optim.Optimizer = opt,
+                x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            _step(model, opt, x, y)
+
+        plain = _min_time(run, repeats)
         with SimulatedGPU("64GiB") as gpu:
             gpu.adopt(model, opt, x, y)
-            simulated = _min_time(lambda: _step(model, opt, x, y), repeats)
-        plain = min(plain, _min_time(lambda: _step(model, opt, x, y), repeats))
+            simulated = _min_time(run, repeats)
+        plain = min(plain, _min_time(run, repeats))  # before and after: load drifts
         rows.append(
             f"| {name} | {plain * 1e3:.1f} ms | {simulated * 1e3:.1f} ms | "
             f"{(simulated / plain - 1) * 100:+.1f}% |"

@@ -409,3 +409,17 @@ def test_found_size_works_hard_coded_in_a_fresh_run() -> None:
 def test_free_memory_is_public_and_safe_on_cpu() -> None:
     autobatch.free_memory()
     autobatch.free_memory("cpu")
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_plan_seeded_search_is_exact_in_three_trials(name: str) -> None:
+    work = WORKLOADS[name]
+    model = work.model()
+    x, y = work.sample(3)
+    with SimulatedGPU("12MiB") as gpu:
+        gpu.adopt(model)
+        seeded = search_batch_size(model, (x, y), torch.optim.Adam, loss_fn=CE, headroom=0, plan=True)
+        plain = search_batch_size(model, (x, y), torch.optim.Adam, loss_fn=CE, headroom=0)
+    assert seeded.max_batch_size == plain.max_batch_size
+    assert len(seeded.trials) <= 3
+    assert any("seeded by a plan" in note for note in seeded.notes)

@@ -1,0 +1,169 @@
+"""How close and how fast is the planner? (not run in CI)
+
+Three tables:
+
+1. Accuracy. For an MLP, a conv net with BatchNorm and a small transformer (Adam, cross-entropy),
+   the planned peak of one training step at several batch sizes next to the peak the simulated GPU
+   measures for the same real CPU step (``search_batch_size`` at that one size), and the planned
+   largest batch for a capacity next to the exact largest the simulator finds with real steps.
+   The plan is made with ``device_type="cpu"``, which counts what the simulator counts.
+2. Speed. A ~29M-parameter transformer (``torch.nn`` layers: d_model 512, 8 heads, 8 layers,
+   vocabulary 8000, sequence 128) planned for an 80 GiB GPU, and its planned peak at batch 2 next
+   to the simulated peak of a real CPU step there.
+3. Seeding. In bench_search's cases (the same setups, capacities and exact B*), the real trials
+   ``search_batch_size(..., start=plan.max_batch_size, prior=plan.memory_model)`` takes, next
+   to the unseeded search.
+
+No GPU is needed; a comparison with ``torch.cuda.max_memory_allocated`` on a real GPU is
+benchmarks/gpu_check.py's job.
+
+    python benchmarks/bench_plan.py            # everything, a few minutes on 2 cores
+    python benchmarks/bench_plan.py --quick    # small targets in table 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autobatch
+from autobatch._planner import plan_max_batch
+from autobatch._units import format_bytes
+from autobatch.testing import SimulatedGPU
+from autobatch.testing.models import WORKLOADS, TinyTransformer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_search  # a sibling module of this script
+
+SIZES = (1, 8, 64, 256)
+CAPACITY = {"mlp": "16MiB", "conv": "128MiB", "transformer": "128MiB"}
+GOAL_ERROR, GOAL_SECONDS, GOAL_MEDIAN_TRIALS = 0.01, 10.0, 3
+
+
+def simulated(model: nn.Module, sample: Any, capacity: int | str, **options: Any) -> Any:
+    """search_batch_size with real CPU steps on a simulated GPU of ``capacity``."""
+    with SimulatedGPU(capacity) as gpu:
+        gpu.adopt(model)
+        return autobatch.search_batch_size(
+            model, sample, torch.optim.Adam, loss_fn=F.cross_entropy, headroom=0, **options
+        )
+
+
+def simulated_peak(model: nn.Module, sample: Any, n: int) -> int:
+    result = simulated(model, sample, 2**50, min_batch=n, max_batch=n)
+    peak: int = result.trials[0].peak_bytes
+    return peak
+
+
+def accuracy() -> bool:
+    print("## 1. Planned vs simulated (device_type='cpu', Adam, cross-entropy)\n")
+    print("| model | n | planned peak | simulated peak | error % | capacity | planned max "
+          "| exact max | plan s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ok = True
+    for name in sorted(WORKLOADS):
+        work = WORKLOADS[name]
+        torch.manual_seed(0)
+        model, sample = work.model(), work.sample(4)
+        started = time.perf_counter()
+        plan = plan_max_batch(model, sample, torch.optim.Adam, CAPACITY[name],
+                              loss_fn=F.cross_entropy, device_type="cpu")
+        seconds = time.perf_counter() - started
+        exact = simulated(model, sample, CAPACITY[name]).max_batch_size
+        ok &= plan.max_batch_size == exact
+        for n in (*SIZES, exact):
+            planned = plan_max_batch(model, sample, torch.optim.Adam, "1TiB", min_batch=n,
+                                     max_batch=n, loss_fn=F.cross_entropy, device_type="cpu")
+            peak = dict(planned.points)[n]
+            real = simulated_peak(model, sample, n)
+            error = (peak - real) / real
+            ok &= abs(error) <= GOAL_ERROR
+            print(f"| {name} | {n} | {peak:,} | {real:,} | {100 * error:+.3f} | "
+                  f"{CAPACITY[name]} | {plan.max_batch_size} | {exact} | {seconds:.2f} |")
+    print()
+    return ok
+
+
+def speed() -> bool:
+    print("## 2. A ~29M-parameter transformer (seq 128) planned for 80 GiB\n")
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=8000, d_model=512, heads=8, layers=8)
+    params = sum(p.numel() for p in model.parameters())
+    sample = (torch.randint(0, 8000, (1, 128)), torch.randint(0, 10, (1,)))
+    started = time.perf_counter()
+    plan = plan_max_batch(model, sample, torch.optim.Adam, "80GiB", loss_fn=F.cross_entropy)
+    seconds = time.perf_counter() - started
+    print(f"parameters: {params:,}; whole plan: {seconds:.2f} s "
+          f"(goal <= {GOAL_SECONDS:g} s), {len(plan.points)} planned steps\n")
+    print("```\n" + repr(plan) + "\n```\n")
+    at_two = plan_max_batch(model, sample, torch.optim.Adam, "1TiB", min_batch=2, max_batch=2,
+                            loss_fn=F.cross_entropy, device_type="cpu")
+    started = time.perf_counter()
+    real = simulated_peak(model, sample, 2)
+    real_seconds = time.perf_counter() - started
+    peak = dict(at_two.points)[2]
+    print(f"batch 2: planned {format_bytes(peak)} ({peak:,} bytes), simulated "
+          f"{format_bytes(real)} ({real:,} bytes), error {100 * (peak - real) / real:+.3f} %; "
+          f"the real CPU step took {real_seconds:.1f} s\n")
+    return seconds <= GOAL_SECONDS and abs(peak - real) <= GOAL_ERROR * real
+
+
+def seeded(targets: dict[str, tuple[int, ...]]) -> bool:
+    print("## 3. Seeded search in bench_search's cases (real trials to the exact B*)\n")
+    print("| model | B* | planned max | plan s | seeded trials | sizes | unseeded trials |")
+    print("|---|---:|---:|---:|---:|---|---:|")
+    counts: list[int] = []
+    ok = True
+    for name, wanted in targets.items():
+        setup = bench_search.make_setup(name)
+        for target in wanted:
+            capacity, bstar = bench_search.capacity_for(setup, target)
+            model, optimizer = setup.copy()
+            started = time.perf_counter()
+            plan = plan_max_batch(model, (setup.inputs, setup.labels), optimizer, capacity,
+                                  loss_fn=F.cross_entropy, device_type="cpu")
+            seconds = time.perf_counter() - started
+            runs = {}
+            for label, options in (
+                ("seeded", {"start": plan.max_batch_size, "prior": plan.memory_model}),
+                ("unseeded", {}),
+            ):
+                model, optimizer = setup.copy()
+                with SimulatedGPU(capacity) as gpu:
+                    gpu.adopt(model, optimizer)
+                    runs[label] = autobatch.search_batch_size(
+                        model, (setup.inputs, setup.labels), optimizer,
+                        loss_fn=F.cross_entropy, headroom=0, **options,
+                    )
+            found = runs["seeded"]
+            ok &= found.max_batch_size == bstar == runs["unseeded"].max_batch_size
+            counts.append(len(found.trials))
+            sizes = ", ".join(f"{t.size}{'' if t.fits else '✗'}" for t in found.trials)
+            print(f"| {name} | {bstar} | {plan.max_batch_size} | {seconds:.2f} | "
+                  f"{len(found.trials)} | {sizes} | {len(runs['unseeded'].trials)} |")
+    median = statistics.median(counts)
+    print(f"\nmedian seeded trials: {median:g} (goal <= {GOAL_MEDIAN_TRIALS}), "
+          f"max {max(counts)}\n")
+    return ok and median <= GOAL_MEDIAN_TRIALS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small targets in table 3")
+    args = parser.parse_args(argv)
+    targets = bench_search.QUICK_TARGETS if args.quick else bench_search.TARGETS
+    results = [accuracy(), speed(), seeded(targets)]
+    print("all goals met" if all(results) else "GOALS MISSED: see the tables above")
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,359 @@
+from __future__ import annotations
+
+import doctest
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+import autobatch._planner
+from autobatch import AutobatchError, BatchSizeError, search_batch_size
+from autobatch._accounting import round_allocation
+from autobatch._planner import Plan, plan_max_batch
+from autobatch.testing import SimulatedGPU
+from autobatch.testing.models import WORKLOADS, mlp
+
+CE = nn.functional.cross_entropy
+
+# Capacities that put the largest batch of each workload in the hundreds or low thousands.
+CAPACITY = {"mlp": "8MiB", "conv": "32MiB", "transformer": "32MiB"}
+
+
+def _simulated(model: nn.Module, sample: Any, capacity: str, **options: Any) -> Any:
+    """search_batch_size with real CPU steps under a SimulatedGPU of ``capacity``."""
+    with SimulatedGPU(capacity) as gpu:
+        gpu.adopt(model)
+        return search_batch_size(model, sample, headroom=0, **options)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_planned_peak_is_the_simulated_peak(name: str) -> None:
+    work = WORKLOADS[name]
+    model, sample = work.model(), work.sample(3)
+    for n in (1, 7, 64):
+        plan = plan_max_batch(
+            model, sample, torch.optim.Adam, loss_fn=CE, capacity="4GiB", min_batch=n,
+            max_batch=n, device_type="cpu",
+        )
+        real = _simulated(model, sample, "4GiB", optimizer=torch.optim.Adam, loss_fn=CE,
+                          min_batch=n, max_batch=n)
+        (trial,) = real.trials
+        planned = dict(plan.points)[n]
+        assert trial.peak_bytes is not None
+        assert abs(planned - trial.peak_bytes) <= 0.01 * trial.peak_bytes, (n, planned, trial)
+        assert plan.breakdown.peak == planned
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_planned_max_is_the_exact_max_and_seeds_a_two_trial_search(name: str) -> None:
+    work = WORKLOADS[name]
+    model, sample = work.model(), work.sample(3)
+    capacity = CAPACITY[name]
+    plan = plan_max_batch(
+        model, sample, torch.optim.Adam, loss_fn=CE, capacity=capacity, device_type="cpu"
+    )
+    exact = _simulated(model, sample, capacity, optimizer=torch.optim.Adam, loss_fn=CE)
+    assert plan.max_batch_size == exact.max_batch_size
+    assert plan.batch_size < plan.max_batch_size  # 5% headroom by default
+    seeded = _simulated(
+        model, sample, capacity, optimizer=torch.optim.Adam, loss_fn=CE,
+        start=plan.max_batch_size, prior=plan.memory_model,
+    )
+    assert seeded.max_batch_size == exact.max_batch_size
+    assert [t.size for t in seeded.trials] == [plan.max_batch_size, plan.max_batch_size + 1]
+
+
+@pytest.mark.parametrize("name", ["conv", "mlp"])
+def test_inference_plan_is_the_simulated_max(name: str) -> None:
+    work = WORKLOADS[name]
+    model, sample = work.model(), work.sample(3)
+    plan = plan_max_batch(model, sample, capacity="16MiB", train=False, device_type="cpu")
+    exact = _simulated(model, sample, "16MiB", train=False)
+    assert plan.max_batch_size == exact.max_batch_size
+    assert any("inference" in note for note in plan.notes)
+    assert plan.breakdown.gradients == plan.breakdown.optimizer_state == 0
+
+
+def test_breakdown_names_every_part() -> None:
+    model = WORKLOADS["conv"].model()
+    sample = WORKLOADS["conv"].sample(2)
+    plan = plan_max_batch(model, sample, torch.optim.Adam, loss_fn=CE, capacity="16MiB")
+    parts = plan.breakdown
+    params = sum(round_allocation(p.untyped_storage().nbytes()) for p in model.parameters())
+    buffers = sum(round_allocation(b.untyped_storage().nbytes()) for b in model.buffers())
+    n = plan.max_batch_size
+    assert parts.parameters == params
+    assert parts.buffers == buffers
+    assert parts.optimizer_state == 2 * params  # Adam's moments; its step counters live on the host
+    assert parts.batch == round_allocation(n * 3 * 32 * 32 * 4) + round_allocation(n * 8)
+    assert 0 <= parts.gradients <= params
+    assert parts.activations > 0
+    assert parts.peak == dict(plan.points)[n] <= 16 * 2**20
+
+
+def test_host_state_counts_only_when_planning_for_the_cpu() -> None:
+    model = mlp()
+    sample = WORKLOADS["mlp"].sample(2)
+    on_cuda = plan_max_batch(model, sample, torch.optim.Adam, capacity="8MiB")
+    on_cpu = plan_max_batch(model, sample, torch.optim.Adam, capacity="8MiB", device_type="cpu")
+    counters = 512 * len(list(model.parameters()))  # one 0-dim "step" tensor per parameter
+    assert on_cpu.breakdown.optimizer_state - on_cuda.breakdown.optimizer_state == counters
+    assert on_cuda.device_type == "cuda"
+    assert on_cuda.max_batch_size >= on_cpu.max_batch_size
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "tensors": [(t, t.detach().clone()) for t in [*model.parameters(), *model.buffers()]],
+        "grads": [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()],
+        "flags": [p.requires_grad for p in model.parameters()],
+        "training": [m.training for m in model.modules()],
+        "opt": {p: {k: (v, v.clone()) for k, v in s.items()} for p, s in opt.state.items()},
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def test_user_model_and_optimizer_are_untouched() -> None:
+    model = WORKLOADS["conv"].model()
+    x, y = WORKLOADS["conv"].sample(4)
+    opt = torch.optim.Adam(model.parameters())
+    CE(model(x), y).backward()
+    opt.step()  # optimizer state exists, running stats moved, gradients are set
+    model[0].weight.requires_grad_(False)
+    model[1].eval()
+    model[0].weight.grad = None
+    before = _state(model, opt)
+    plan_max_batch(model, (x, y), opt, loss_fn=CE, capacity="16MiB")
+    after = _state(model, opt)
+    for (t, saved), (t2, _) in zip(before["tensors"], after["tensors"], strict=True):
+        assert t is t2
+        assert t.device.type == "cpu"
+        assert torch.equal(t, saved)
+    for (p, grad, saved), (_, grad2, _) in zip(before["grads"], after["grads"], strict=True):
+        assert grad is grad2, p.shape
+        assert grad is None or torch.equal(grad, saved), p.shape
+    assert before["flags"] == after["flags"]
+    assert before["training"] == after["training"]
+    assert before["groups"] == after["groups"]
+    assert before["opt"].keys() == opt.state.keys()
+    for p, entries in before["opt"].items():
+        assert opt.state[p].keys() == entries.keys()
+        for key, (value, saved) in entries.items():
+            assert opt.state[p][key] is value
+            assert torch.equal(value, saved)
+    assert torch.equal(before["rng"], after["rng"])
+
+
+def _cpu_bytes_allocated(fn: Any) -> int:
+    """Bytes the CPU allocator handed out while ``fn`` ran (frees not subtracted)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+
+    def walk(nodes: Any) -> Any:
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    return sum(
+        max(node.extra_fields.alloc_size, 0)
+        for node in walk(prof.profiler.kineto_results.experimental_event_tree())
+        if node.tag == _EventType.Allocation
+    )
+
+
+def test_plan_allocates_no_real_memory() -> None:
+    model = mlp(width=1024, depth=4)  # 13 MiB of parameters
+    sample = WORKLOADS["mlp"].sample(2)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    spent = _cpu_bytes_allocated(
+        lambda: plan_max_batch(model, sample, torch.optim.Adam, capacity="80GiB")
+    )
+    assert spent < params // 100, spent
+    with SimulatedGPU("1GiB") as gpu:  # a simulator around the plan sees nothing
+        gpu.adopt(model)
+        held = gpu.allocated_bytes
+        gpu.reset_peak()
+        plan_max_batch(model, sample, torch.optim.Adam, capacity="80GiB")
+        assert gpu.allocated_bytes == gpu.peak_bytes == held
+
+
+def test_model_built_on_meta_can_be_planned() -> None:
+    with torch.device("meta"):
+        model = WORKLOADS["transformer"].model()
+    real = WORKLOADS["transformer"].model()
+    sample = WORKLOADS["transformer"].sample(2)
+    meta_plan = plan_max_batch(model, sample, torch.optim.AdamW, loss_fn=CE, capacity="1GiB")
+    real_plan = plan_max_batch(real, sample, torch.optim.AdamW, loss_fn=CE, capacity="1GiB")
+    assert meta_plan.max_batch_size == real_plan.max_batch_size
+    assert any("attention" in note for note in meta_plan.notes)
+
+
+class _Item(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x.abs().max().item()
+
+
+class _Mask(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x > 0].reshape(-1, x.shape[1])
+
+
+_LIBRARY = torch.library.Library("autobatch_planner_test", "DEF")
+_LIBRARY.define("cpu_only(Tensor x) -> Tensor")
+_LIBRARY.impl("cpu_only", lambda x: x * 2, "CPU")
+
+
+class _CpuOnly(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.autobatch_planner_test.cpu_only(x)
+        return out
+
+
+class _ItemInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * grad.sum().item()
+
+
+class _BackwardItem(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _ItemInBackward.apply(x)
+        return out
+
+
+@pytest.mark.parametrize(
+    ("layer", "where", "op"),
+    [
+        (_Item(), "in the forward of module 'body.1' (_Item)", "aten._local_scalar_dense.default"),
+        (_Mask(), "in the forward of module 'body.1' (_Mask)", "aten.index.Tensor"),
+        (_CpuOnly(), "in the forward of module 'body.1' (_CpuOnly)",
+         "autobatch_planner_test.cpu_only.default"),
+        (_BackwardItem(), "in backward (_ItemInBackwardBackward)",
+         "aten._local_scalar_dense.default"),
+    ],
+)
+def test_step_that_cannot_run_on_meta_names_module_and_operator(
+    layer: nn.Module, where: str, op: str
+) -> None:
+    model = nn.Sequential()
+    model.add_module("body", nn.Sequential(nn.Linear(8, 8), layer, nn.Linear(8, 2)))
+    with pytest.raises(AutobatchError) as info:
+        plan_max_batch(model, torch.randn(1, 8), torch.optim.SGD, capacity="1GiB")
+    message = str(info.value)
+    assert where in message
+    assert f"operator {op} failed" in message
+    assert "find_max_batch" in message
+    assert not isinstance(info.value, BatchSizeError)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_step_fn_using_real_tensors_is_refused_before_it_runs() -> None:
+    real = mlp()
+    x, y = WORKLOADS["mlp"].sample(2)
+
+    def step_fn(model: nn.Module, batch: Any) -> None:
+        CE(real(batch[0]), batch[1]).backward()  # the real model, not the one given
+
+    with pytest.raises(AutobatchError, match=r"real tensor \(cpu, shape \(256, 128\), requires grad\)"):
+        plan_max_batch(real, (x, y), step_fn=step_fn, capacity="1GiB")
+    assert all(p.grad is None for p in real.parameters())
+
+    def good_step(model: nn.Module, batch: Any) -> None:
+        CE(model(batch[0]), batch[1]).backward()
+
+    assert plan_max_batch(real, (x, y), step_fn=good_step, capacity="1GiB").max_batch_size > 0
+
+
+def test_nothing_fits_says_how_much_is_needed() -> None:
+    model = mlp()
+    with pytest.raises(BatchSizeError, match=r"even the smallest batch \(4\) does not fit") as info:
+        plan_max_batch(model, WORKLOADS["mlp"].sample(1), torch.optim.Adam, capacity="2MiB",
+                       min_batch=4)
+    assert info.value.capacity_bytes == 2 * 2**20
+    assert info.value.needed_bytes is not None
+    assert info.value.needed_bytes > 2 * 2**20
+
+
+def test_overhead_and_grid_options() -> None:
+    model, sample = mlp(), WORKLOADS["mlp"].sample(2)
+    plain = plan_max_batch(model, sample, torch.optim.Adam, capacity="7MiB")
+    with_overhead = plan_max_batch(
+        model, sample, torch.optim.Adam, capacity="8MiB", overhead="1MiB"
+    )
+    assert with_overhead.max_batch_size == plain.max_batch_size
+    assert with_overhead.overhead_bytes == 2**20
+    grid = plan_max_batch(model, sample, torch.optim.Adam, capacity="8MiB", multiple_of=64,
+                          max_batch=100_000)
+    peaks = dict(grid.points)
+    assert grid.max_batch_size % 64 == 0
+    assert grid.batch_size % 64 == 0
+    assert peaks[grid.max_batch_size] <= 8 * 2**20 < peaks[grid.max_batch_size + 64]
+    capped = plan_max_batch(model, sample, torch.optim.Adam, capacity="8MiB", max_batch=100)
+    assert capped.max_batch_size == 100
+
+
+def test_samples_of_every_form_give_the_same_plan() -> None:
+    class Keywords(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def forward(
+            self, x: torch.Tensor, labels: torch.Tensor, names: list[str] | None = None
+        ) -> torch.Tensor:
+            assert names is None or len(names) == len(x)
+            return CE(self.net(x), labels)
+
+    model = Keywords()
+    x, y = WORKLOADS["mlp"].sample(3)
+    as_dict = plan_max_batch(model, {"x": x, "labels": y}, torch.optim.SGD, capacity="8MiB")
+    as_callable = plan_max_batch(
+        model, lambda n: {"x": torch.randn(n, 128), "labels": torch.zeros(n, dtype=torch.long)},
+        torch.optim.SGD, capacity="8MiB",
+    )
+    assert as_dict.max_batch_size == as_callable.max_batch_size
+    assert any("sample(1)" in note for note in as_callable.notes)
+    names = [f"row{i}" for i in range(3)]  # a per-sample list, repeated with the rows
+    with_names = plan_max_batch(
+        model, {"x": x, "labels": y, "names": names}, torch.optim.SGD, capacity="8MiB"
+    )
+    assert with_names.max_batch_size == as_dict.max_batch_size
+
+
+def test_invalid_options_name_the_parameter() -> None:
+    model, sample = mlp(), WORKLOADS["mlp"].sample(1)
+    with pytest.raises(ValueError, match="capacity='lots'"):
+        plan_max_batch(model, sample, capacity="lots")
+    with pytest.raises(ValueError, match=r"overhead='2GiB'.*leaves nothing"):
+        plan_max_batch(model, sample, capacity="1GiB", overhead="2GiB")
+    with pytest.raises(ValueError, match="device_type"):
+        plan_max_batch(model, sample, device_type="")
+    with pytest.raises(ValueError, match="headroom"):
+        plan_max_batch(model, sample, headroom=1.5)
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        plan_max_batch(lambda x: x, sample)  # type: ignore[arg-type]
+
+
+def test_plan_repr_is_readable() -> None:
+    plan = plan_max_batch(mlp(), WORKLOADS["mlp"].sample(1), torch.optim.Adam, capacity="8MiB")
+    assert isinstance(plan, Plan)
+    text = repr(plan)
+    assert text.startswith(f"Plan(batch_size={plan.batch_size}, max_batch_size=")
+    assert re.search(r"memory model: .* per sample", text)
+    assert f"at batch {plan.max_batch_size}: peak " in text
+    assert plan.seconds > 0
+
+
+def test_docstrings_run() -> None:
+    result = doctest.testmod(autobatch._planner)
+    assert result.failed == 0
+    assert result.attempted > 0
