@@ -154,7 +154,10 @@ class CountingMode(TorchDispatchMode):
             if error is not None:
                 del out  # the rejected outputs die here, before the error is raised
                 self.ledger.peak_bytes = peak_before  # they were never really allocated
-                raise error
+                try:
+                    raise error
+                finally:  # no local may point at the error: error -> traceback -> this frame
+                    del error  # would be a cycle that keeps the failed step alive until gc
         return out
 
     def _count(self, func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

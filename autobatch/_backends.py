@@ -104,9 +104,16 @@ class CudaMemory(DeviceMemory):
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def free_bytes(self) -> int:
-        free, _total = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return int(free + cached)
+        # What this process can still get: the driver's free memory (other processes' use
+        # already taken off) plus our cached-but-unused blocks, within any per-process cap
+        # set with torch.cuda.set_per_process_memory_fraction.
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        reachable = free + torch.cuda.memory_reserved(self.device) - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:
+            reachable = min(reachable, int(fraction(self.device) * total) - allocated)
+        return int(max(reachable, 0))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

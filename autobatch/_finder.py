@@ -45,7 +45,9 @@ class SearchResult:
 
     ``batch_size`` is the recommended size (largest that leaves ``headroom`` of the capacity
     free at its peak); ``max_batch_size`` the largest size that passed a trial. ``trials`` lists
-    every trial in order; ``memory_model`` is the fitted ``peak(n) = fixed + per_sample * n``
+    every trial in order; ``capacity_bytes`` the memory the search could use (the device's
+    total, less what other processes hold); ``memory_model`` is the fitted
+    ``peak(n) = fixed + per_sample * n``
     when the device keeps statistics. ``optimizer_counted`` is False when no optimizer was given
     (forward and backward only).
     """
@@ -242,14 +244,22 @@ def search_batch_size(
     )
     sync = sync_ranks and _distributed.active()
     capacity = memory.capacity_bytes()
+    budget = capacity
+    if memory.has_statistics:  # other processes, or a per-process cap, may leave us less
+        budget = min(capacity, memory.allocated_bytes() + memory.free_bytes())
+        if budget < capacity:
+            notes.append(
+                f"{format_bytes(capacity - budget)} of the {format_bytes(capacity)} device is not "
+                f"available to this process; searching within {format_bytes(budget)}"
+            )
     if sync:
-        capacity = _distributed.all_min([capacity])[0]
+        capacity, budget = _distributed.all_min([capacity, budget])
     if plan and start is None and prior is None:
         from autobatch._planner import plan_max_batch  # lazy: the planner imports this module
 
         try:
             planned = plan_max_batch(
-                model, sample, optimizer if train else None, capacity,
+                model, sample, optimizer if train else None, budget,
                 loss_fn=loss_fn, step_fn=step_fn, train=train, min_batch=min_batch,
                 max_batch=max_batch, multiple_of=multiple_of, device_type=target.type,
             )
@@ -268,7 +278,7 @@ def search_batch_size(
             min_size=min_batch,
             max_size=max_batch,
             multiple_of=multiple_of,
-            capacity_bytes=capacity if memory.has_statistics else None,
+            capacity_bytes=budget if memory.has_statistics else None,
             start=start,
             prior=prior,
         )
@@ -280,10 +290,10 @@ def search_batch_size(
             optimizer_obj = None
         memory.empty_cache()
     if outcome.largest_fit is None:
-        raise _nothing_fits(runner.records, min_batch, capacity, memory.name, outcome.model)
+        raise _nothing_fits(runner.records, min_batch, budget, memory.name, outcome.model)
     recommended = recommend(
         outcome,
-        capacity_bytes=capacity if memory.has_statistics else None,
+        capacity_bytes=budget if memory.has_statistics else None,
         headroom=headroom,
         multiple_of=multiple_of,
         min_size=min_batch,
@@ -298,7 +308,7 @@ def search_batch_size(
         max_batch_size=outcome.largest_fit,
         trials=tuple(runner.records),
         memory_model=outcome.model,
-        capacity_bytes=capacity,
+        capacity_bytes=budget,
         device=memory.name,
         headroom=float(headroom),
         train=train,

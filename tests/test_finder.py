@@ -423,3 +423,19 @@ def test_plan_seeded_search_is_exact_in_three_trials(name: str) -> None:
     assert seeded.max_batch_size == plain.max_batch_size
     assert len(seeded.trials) <= 3
     assert any("seeded by a plan" in note for note in seeded.notes)
+
+
+def test_memory_held_by_another_process_is_not_searched_into() -> None:
+    """Capacity comes from the device; what other processes hold is taken off the budget."""
+    model = mlp()
+    sample = WORKLOADS["mlp"].sample(3)
+    with SimulatedGPU("8MiB") as gpu:
+        gpu.adopt(model)
+        alone = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, headroom=0)
+    with SimulatedGPU("10MiB", used_elsewhere="2MiB") as gpu:
+        gpu.adopt(model)
+        shared = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, headroom=0)
+    assert shared.max_batch_size == alone.max_batch_size
+    assert shared.capacity_bytes == 8 * 2**20
+    assert any("not available to this process" in note for note in shared.notes)
+    assert [t.size for t in shared.trials] == [t.size for t in alone.trials]

@@ -160,6 +160,7 @@ def test_recovery_after_leaving_except_returns_exactly_to_baseline(name: str) ->
         # ...once it is left (and the gradients a half-done backward accumulated are dropped),
         # every byte is back.
         opt.zero_grad(set_to_none=True)
+        assert gpu.allocated_bytes == baseline  # without a garbage collection: no cycles
         autobatch.free_memory()
         assert gpu.allocated_bytes == baseline
         # and a smaller batch now runs in the same process

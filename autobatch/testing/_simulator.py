@@ -50,6 +50,9 @@ class SimulatedGPU:
         The GPU number printed in the out-of-memory message.
     adopt:
         Modules, optimizers or tensors to count from the start (see :meth:`adopt`).
+    used_elsewhere:
+        Memory held by other processes on the same GPU: the capacity stays the device's total,
+        but only the rest can be allocated (as with a shared card).
 
     Only allocated bytes are modelled: the caching allocator's reserved-but-unused segments
     (fragmentation) are not, so a real GPU may fail a little earlier than the simulator.
@@ -64,8 +67,12 @@ class SimulatedGPU:
         block_bytes: int = CUDA_BLOCK_BYTES,
         device_index: int = 0,
         adopt: tuple[Any, ...] | list[Any] = (),
+        used_elsewhere: int | str = 0,
     ) -> None:
         self.capacity_bytes = parse_bytes(capacity)
+        self.used_elsewhere = parse_bytes(used_elsewhere, name="used_elsewhere") if used_elsewhere else 0
+        if self.used_elsewhere >= self.capacity_bytes:
+            raise ValueError("used_elsewhere must be less than the capacity")
         self.device_index = device_index
         self.ledger = StorageLedger(block_bytes)
         self.oom_count = 0
@@ -86,8 +93,8 @@ class SimulatedGPU:
 
     @property
     def free_bytes(self) -> int:
-        """Capacity not held by counted storages."""
-        return max(self.capacity_bytes - self.allocated_bytes, 0)
+        """Capacity held neither by counted storages nor by other processes."""
+        return max(self.capacity_bytes - self.used_elsewhere - self.allocated_bytes, 0)
 
     def reset_peak(self) -> None:
         """Start a new peak measurement from the current live bytes."""
@@ -101,25 +108,26 @@ class SimulatedGPU:
         capacity raises the same out-of-memory error as an operator would.
         """
         added = sum(self.ledger.add(storage) for storage in storages(objects))
-        if self.allocated_bytes > self.capacity_bytes:
+        if self.allocated_bytes + self.used_elsewhere > self.capacity_bytes:
             raise self._error(added)
         return added
 
     def _check(self, added: int) -> BaseException | None:
-        if self.ledger.allocated_bytes <= self.capacity_bytes:
+        if self.ledger.allocated_bytes + self.used_elsewhere <= self.capacity_bytes:
             return None
         self.oom_count += 1
         return self._error(added)
 
     def _error(self, added: int) -> torch.OutOfMemoryError:
-        in_use = self.allocated_bytes - added
+        allocated = self.allocated_bytes - added
+        in_use = allocated + self.used_elsewhere
         free = max(self.capacity_bytes - in_use, 0)
         return torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_bytes(added)}. "
             f"GPU {self.device_index} has a total capacity of {format_bytes(self.capacity_bytes)} "
             f"of which {format_bytes(free)} is free. Including non-PyTorch memory, this process "
-            f"has {format_bytes(in_use)} memory in use. Of the allocated memory "
-            f"{format_bytes(in_use)} is allocated by PyTorch, and 0 bytes is reserved by PyTorch "
+            f"has {format_bytes(allocated)} memory in use. Of the allocated memory "
+            f"{format_bytes(allocated)} is allocated by PyTorch, and 0 bytes is reserved by PyTorch "
             "but unallocated. If reserved but unallocated memory is large try setting "
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
             "documentation for Memory Management  "
