@@ -9,6 +9,7 @@ from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import SearchResult, find_max_batch, search_batch_size
 from autobatch._oom import is_oom_error, is_size_limit_error
 from autobatch._planner import Plan, PlanBreakdown, plan_max_batch
+from autobatch._throughput import ThroughputResult, find_best_batch
 
 __version__ = "0.1.0"
 
@@ -20,6 +21,8 @@ __all__ = [
     "Plan",
     "PlanBreakdown",
     "SearchResult",
+    "ThroughputResult",
+    "find_best_batch",
     "find_max_batch",
     "free_memory",
     "is_oom_error",

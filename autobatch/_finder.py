@@ -12,6 +12,7 @@ from torch import nn
 
 from autobatch import _batch, _distributed
 from autobatch._backends import DeviceLike, memory_for, resolve_device
+from autobatch._cache import CacheOption, cached_search, open_cache, search_key
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger
 from autobatch._oom import oom_kind
@@ -23,9 +24,8 @@ from autobatch._trial import (
     StepFn,
     TrialRecord,
     TrialRunner,
-    call_model,
-    loss_of,
     make_optimizer,
+    make_step,
     prime_optimizer,
 )
 from autobatch._units import format_bytes
@@ -181,6 +181,7 @@ def search_batch_size(
     prior: LinearModel | None = None,
     plan: bool = False,
     sync_ranks: bool = True,
+    cache: CacheOption = False,
 ) -> SearchResult:
     """Search for the largest batch that fits, with real steps; returns the full record.
 
@@ -193,14 +194,36 @@ def search_batch_size(
     lockstep and each verdict is agreed (a size fits only if it fits on every rank; the
     capacity is the smallest rank's), so all ranks return the same result. ``sync_ranks=False``
     searches each rank on its own.
+
+    ``cache=True`` (or a directory) reuses a result stored for exactly this setup — model
+    architecture, sample shapes and dtypes, device and its memory, torch version, optimizer,
+    autocast dtype, train or inference, search options — and stores new ones. It is off by
+    default (the CLI turns it on): a cached answer cannot see what other processes hold now.
+    Under torch.distributed the cache is not used, so that every rank runs the same trials.
     """
     _check_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     target = _model_device(model, device)
     memory = memory_for(target)
+    store = open_cache(cache)
+    if store is not None and not (sync_ranks and _distributed.active()):
+        options = dict(
+            loss_fn=loss_fn, step_fn=step_fn, train=train, min_batch=min_batch,
+            max_batch=max_batch, multiple_of=multiple_of, headroom=headroom,
+            steps_per_trial=steps_per_trial, scaler=scaler,
+        )
+        return cached_search(
+            store,
+            lambda: search_key(model, sample, optimizer, memory, **options),
+            lambda: search_batch_size(
+                model, sample, optimizer, device=device, start=start, prior=prior, plan=plan,
+                sync_ranks=sync_ranks, **options,
+            ),
+        )[0]
     make_batch = _batch_factory(sample, target)
     optimizer_obj, temporary = make_optimizer(optimizer if train else None, model)
+    counted = optimizer_obj is not None or step_fn is not None
     extras = tuple(x for x in (scaler,) if x is not None)
     snapshot = Snapshot(model, optimizer_obj, extras)
     notes: list[str] = []
@@ -209,30 +232,9 @@ def search_batch_size(
     if not train:
         notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
 
-    def step(batch: Batch) -> None:
-        if step_fn is not None:
-            step_fn(model, batch)
-            return
-        if not train:
-            with torch.inference_mode():
-                call_model(model, batch)
-            return
-        if optimizer_obj is not None:
-            optimizer_obj.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-        output, target_ = call_model(model, batch)
-        loss = loss_of(output, target_, loss_fn)
-        del output
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            if optimizer_obj is not None:
-                scaler.step(optimizer_obj)
-                scaler.update()
-        else:
-            loss.backward()
-            if optimizer_obj is not None:
-                optimizer_obj.step()
+    step = make_step(
+        model, optimizer_obj, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler
+    )
 
     def drop_gradients() -> None:
         model.zero_grad(set_to_none=True)
@@ -312,7 +314,7 @@ def search_batch_size(
         device=memory.name,
         headroom=float(headroom),
         train=train,
-        optimizer_counted=optimizer_obj is not None or step_fn is not None,
+        optimizer_counted=counted,
         smallest_failing=outcome.smallest_fail,
         notes=tuple(notes),
     )
@@ -334,10 +336,12 @@ def _agreeing(runner: TrialRunner) -> Callable[[int], Outcome]:
         try:
             mine = runner(size)
         except Exception:
-            _distributed.all_max([1, 1, -1])
+            _distributed.all_max([1, 1, -1, -1, -1])
             raise
-        crashed, failed, peak = _distributed.all_max(
-            [0, int(not mine.fits), -1 if mine.peak_bytes is None else mine.peak_bytes]
+        parts = list(mine.parts) if len(mine.parts) == 2 else [-1, -1]
+        peak_mine = -1 if mine.peak_bytes is None else mine.peak_bytes
+        crashed, failed, peak, *agreed = _distributed.all_max(
+            [0, int(not mine.fits), peak_mine, *parts]
         )
         if crashed:
             raise AutobatchError(
@@ -346,7 +350,12 @@ def _agreeing(runner: TrialRunner) -> Callable[[int], Outcome]:
             )
         if failed and mine.fits:
             return Outcome(fits=False, error="oom on another rank")
-        return Outcome(fits=not failed, peak_bytes=None if peak < 0 else peak, error=mine.error)
+        return Outcome(
+            fits=not failed,
+            peak_bytes=None if peak < 0 else peak,
+            error=mine.error,
+            parts=tuple(agreed) if min(agreed) >= 0 else (),
+        )
 
     return probe
 

@@ -14,9 +14,8 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,20 +35,20 @@ from autobatch._accounting import (
 )
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import DEFAULT_HEADROOM, Sample, _check_options
+from autobatch._log import get_logger
 from autobatch._trial import (
     Batch,
     LossFn,
     OptimizerLike,
     StepFn,
-    call_model,
-    loss_of,
     make_optimizer,
+    make_step,
     prime_optimizer,
 )
 from autobatch._units import format_bytes, parse_bytes
 from autobatch.search import LinearModel, Outcome, fit_linear, recommend, search
 
-logger = logging.getLogger("autobatch.planner")
+logger = get_logger("planner")
 
 _ATTENTION_OPS = frozenset(
     {
@@ -298,37 +297,6 @@ def _optimizer_as_on(optimizer: torch.optim.Optimizer, device_type: str) -> list
     return notes[:1]
 
 
-def _make_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    loss_fn: LossFn | None,
-    step_fn: StepFn | None,
-    train: bool,
-) -> Callable[[Batch], None]:
-    """The step :func:`~autobatch.search_batch_size` runs (without a GradScaler)."""
-
-    def step(batch: Batch) -> None:
-        if step_fn is not None:
-            step_fn(model, batch)
-            return
-        if not train:
-            with torch.inference_mode():
-                call_model(model, batch)
-            return
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-        output, target = call_model(model, batch)
-        loss = loss_of(output, target, loss_fn)
-        del output
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-
-    return step
-
-
 def _template(sample: Sample) -> tuple[Batch, str | None]:
     """The sample as meta tensors (no data read); a callable sample is called for one row."""
     note = None
@@ -407,7 +375,9 @@ class _MetaSetup:
             module.register_forward_hook(functools.partial(self._leave, label))
         if not train:
             self.model.eval()
-        self.step = _make_step(self.model, self.optimizer, loss_fn, step_fn, train)
+        self.step = make_step(
+            self.model, self.optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train
+        )
         self.ledger = _PlanLedger(block_bytes, frozenset({"meta", device_type}))
         self.mode = _PlanMode(self.ledger)
         with self._running("while creating the optimizer state"):

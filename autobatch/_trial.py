@@ -14,6 +14,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from autobatch import _batch
 from autobatch._backends import DeviceMemory, free_memory
@@ -79,6 +83,50 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
             "back-propagate; pass loss_fn=, step_fn=, or train=False for inference"
         )
     return torch.stack(parts).sum()
+
+
+def make_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    train: bool = True,
+    scaler: Any = None,
+) -> Callable[[Batch], None]:
+    """The one step every front-end runs (finder, planner, throughput).
+
+    ``step_fn(model, batch)`` when given; otherwise zero_grad (``set_to_none``, as torch does by
+    default), forward, loss, backward and the optimizer step (through ``scaler`` when given), or
+    a forward under ``torch.inference_mode()`` when ``train`` is False.
+    """
+
+    def step(batch: Batch) -> None:
+        if step_fn is not None:
+            step_fn(model, batch)
+            return
+        if not train:
+            with torch.inference_mode():
+                call_model(model, batch)
+            return
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        output, target = call_model(model, batch)
+        loss = loss_of(output, target, loss_fn)
+        del output
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if optimizer is not None:
+                scaler.step(optimizer)
+                scaler.update()
+        else:
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+
+    return step
 
 
 def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> tuple[torch.optim.Optimizer | None, bool]:
@@ -167,13 +215,14 @@ class TrialRunner:
         self.on_trial = on_trial
         self.records: list[TrialRecord] = []
 
-    def _attempt(self, size: int) -> str | None:
+    def _attempt(self, size: int, phases: _PhasePeaks) -> str | None:
         """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
         try:
-            batch = self.make_batch(size)
-            for _ in range(self.steps_per_trial):
-                self.step(batch)
-            self.memory.synchronize()
+            with phases:
+                batch = self.make_batch(size)
+                for _ in range(self.steps_per_trial):
+                    self.step(batch)
+                self.memory.synchronize()
         except Exception as error:  # classified below; anything not ours is re-raised
             kind = oom_kind(error)
             if kind is None:
@@ -186,13 +235,15 @@ class TrialRunner:
 
     def __call__(self, size: int) -> Outcome:
         self.memory.reset_peak()
+        phases = _PhasePeaks(self.memory)
         start = time.perf_counter()
-        error = self._attempt(size)
+        error = self._attempt(size, phases)
         seconds = time.perf_counter() - start
         peak: int | None = None
-        if error is None:
-            if self.memory.has_statistics:
-                peak = self.memory.peak_bytes()
+        parts: tuple[int, ...] = ()
+        if error is None and self.memory.has_statistics:
+            parts = phases.peaks()
+            peak = max(parts) if parts else self.memory.peak_bytes()
         else:  # out of the except block: the failed attempt's tensors are gone
             self.cleanup()
             free_memory(self.memory.device)
@@ -201,4 +252,45 @@ class TrialRunner:
         logger.info("%s", record)
         if self.on_trial is not None:
             self.on_trial(record)
-        return Outcome(fits=error is None, peak_bytes=peak, error=error)
+        return Outcome(fits=error is None, peak_bytes=peak, error=error, parts=parts)
+
+
+class _PhasePeaks:
+    """The peaks of a trial's phases: outside ``optimizer.step`` (forward, backward) and inside it.
+
+    The step's peak is their maximum; fitted apart, each is a straight line in the batch size,
+    while their maximum bends where the optimizer step stops setting the peak.
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory = memory
+        self.outside = 0
+        self.inside: int | None = None
+        self._hooks: list[Any] = []
+
+    def _before_step(self, *_: Any) -> None:
+        self.outside = max(self.outside, self.memory.peak_bytes())
+        self.memory.reset_peak()
+
+    def _after_step(self, *_: Any) -> None:
+        self.inside = max(self.inside or 0, self.memory.peak_bytes())
+        self.memory.reset_peak()
+
+    def __enter__(self) -> _PhasePeaks:
+        if self.memory.has_statistics:
+            self._hooks = [
+                register_optimizer_step_pre_hook(self._before_step),
+                register_optimizer_step_post_hook(self._after_step),
+            ]
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.memory.has_statistics:
+            self.outside = max(self.outside, self.memory.peak_bytes())
+
+    def peaks(self) -> tuple[int, ...]:
+        """``(outside, inside)`` when an optimizer stepped, else ``()``."""
+        return () if self.inside is None else (self.outside, self.inside)

@@ -17,9 +17,11 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Protocol
 
 __all__ = [
+    "UNBOUNDED_MAX_SIZE",
     "Exponential",
     "LinearModel",
     "ModelGuided",
@@ -28,6 +30,7 @@ __all__ = [
     "SearchPolicy",
     "SearchState",
     "Trial",
+    "binding_points",
     "fit_linear",
     "recommend",
     "search",
@@ -55,18 +58,22 @@ class Outcome:
     """What a probe reports about one trial.
 
     >>> Outcome(fits=True, peak_bytes=3_000_000)
-    Outcome(fits=True, peak_bytes=3000000, error=None)
+    Outcome(fits=True, peak_bytes=3000000, error=None, parts=())
 
     Args:
         fits: whether the trial ran to completion.
         peak_bytes: the trial's measured peak memory (fitting trials); ``None`` when the device
             keeps no statistics.
         error: a short kind for a failure, e.g. ``"oom"`` or ``"size_limit"``.
+        parts: the peaks of the step's phases (e.g. forward and backward, then the optimizer
+            step), whose maximum is ``peak_bytes``. Each phase is fitted on its own, so a phase
+            that sets the peak only at small sizes (the optimizer step) does not bend the line.
     """
 
     fits: bool
     peak_bytes: int | None = None
     error: str | None = None
+    parts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.fits, bool):
@@ -82,19 +89,21 @@ class Trial:
     """One probe as the search recorded it.
 
     >>> Trial(size=64, fits=False, error="oom")
-    Trial(size=64, fits=False, peak_bytes=None, error='oom')
+    Trial(size=64, fits=False, peak_bytes=None, error='oom', parts=())
 
     Args:
         size: the size probed.
         fits: whether it fit.
         peak_bytes: its measured peak memory, if any.
         error: the probe's short failure kind, if any.
+        parts: the peaks of the step's phases, if the probe measured them.
     """
 
     size: int
     fits: bool
     peak_bytes: int | None = None
     error: str | None = None
+    parts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,18 +140,15 @@ class LinearModel:
     def largest_within(self, budget_bytes: float) -> int:
         """The largest ``n >= 0`` whose predicted peak is at most ``budget_bytes`` (0 if none).
 
+        Computed exactly (no float rounding at the edge).
+
         >>> LinearModel(fixed=100.0, per_sample=7.0).largest_within(150)
         7
         """
-        room = (budget_bytes - self.fixed) / self.per_sample
-        if not room >= 1:  # also catches NaN
-            return 0
-        n = int(min(room, float(2**63)))
-        while n > 0 and self.predict(n) > budget_bytes:  # float rounding at the edge
-            n -= 1
-        while self.predict(n + 1) <= budget_bytes and n < 2**63:
-            n += 1
-        return n
+        if not math.isfinite(budget_bytes):
+            raise ValueError(f"budget_bytes must be finite, got {budget_bytes!r}")
+        room = (Fraction(budget_bytes) - Fraction(self.fixed)) / Fraction(self.per_sample)
+        return max(0, math.floor(room))
 
 
 @dataclass(frozen=True)
@@ -153,34 +159,47 @@ class _Fit:
     low: int  # smallest size used by the fit
     high: int  # largest size used by the fit
     residual: float  # worst absolute residual of the used points, bytes
+    bent: bool = False  # the line's smallest point may lie before a bend in the curve
 
 
-def _least_squares(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float]:
-    x_mean = sum(xs) / len(xs)
-    y_mean = sum(ys) / len(ys)
-    sxx = sum((x - x_mean) ** 2 for x in xs)
-    sxy = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys))
-    slope = sxy / sxx
-    return y_mean - slope * x_mean, slope
+def _least_squares(xs: Sequence[int], ys: Sequence[int]) -> tuple[float, float]:
+    """``(fixed, per_sample)`` of the least-squares line, computed exactly then rounded."""
+    count = len(xs)
+    x_sum, y_sum = sum(xs), sum(ys)
+    sxx = count * sum(x * x for x in xs) - x_sum * x_sum
+    sxy = count * sum(x * y for x, y in zip(xs, ys, strict=True)) - x_sum * y_sum
+    slope = Fraction(sxy) / sxx
+    return float((y_sum - slope * x_sum) / count), float(slope)
 
 
 def _fit(points: Sequence[tuple[int, int]], tolerance_bytes: float) -> _Fit | None:
     peaks: dict[int, int] = {}
     for size, peak in points:
         peaks[size] = max(peak, peaks.get(size, peak))
-    sizes = sorted(peaks)[-_MAX_FIT_POINTS:]
-    while len(sizes) >= 2:
-        ys = [float(peaks[x]) for x in sizes]
+    candidates = sorted(peaks)[-_MAX_FIT_POINTS:]
+    if len(candidates) < 2:
+        return None
+    sizes = candidates
+    while True:
+        ys = [peaks[x] for x in sizes]
         fixed, per_sample = _least_squares(sizes, ys)
-        worst = max(abs(y - (fixed + per_sample * x)) for x, y in zip(sizes, ys))
-        if worst <= tolerance_bytes + 1e-9 * max(ys) or len(sizes) == 2:
+        worst = max(abs(y - (fixed + per_sample * x)) for x, y in zip(sizes, ys, strict=True))
+        agrees = worst <= tolerance_bytes + 1e-9 * max(ys)
+        if (agrees and per_sample > 0) or len(sizes) == 2:
             break
         sizes = sizes[1:]  # the start of a memory curve is the part that bends: drop it first
-    if len(sizes) < 2 or not (math.isfinite(per_sample) and per_sample > 0):
+    if not (per_sample > 0 and math.isfinite(per_sample) and math.isfinite(fixed)):
         return None
-    if not math.isfinite(fixed):
-        return None
-    return _Fit(LinearModel(fixed, per_sample), sizes[0], sizes[-1], worst)
+    dropped = candidates[: len(candidates) - len(sizes)]
+    # Two points left after dropping: the smaller may still belong to the flat start (a constant
+    # such as the optimizer step sets the peak there), unless it is off the dropped points' line.
+    bent = len(sizes) == 2 and bool(dropped)
+    if bent and len(dropped) >= 2:
+        (x1, x2), x = dropped[-2:], sizes[0]
+        start_slope = (peaks[x2] - peaks[x1]) / (x2 - x1)
+        reach = 1 + 2 * (x - x2) / (x2 - x1)  # how much extrapolation widens the tolerance
+        bent = abs(peaks[x] - peaks[x2] - start_slope * (x - x2)) <= tolerance_bytes * reach
+    return _Fit(LinearModel(fixed, per_sample), sizes[0], sizes[-1], worst, bent)
 
 
 def fit_linear(
@@ -193,8 +212,8 @@ def fit_linear(
     dropped (real curves are affine except at the start). Returns ``None`` with fewer than two
     distinct sizes or when the line does not grow.
 
-    >>> fit_linear([(1, 5000), (2, 1200), (4, 1400), (8, 1800)])
-    LinearModel(fixed=1000.0, per_sample=100.0)
+    >>> fit_linear([(1, 5_000_000), (2, 1_200_000), (4, 1_400_000), (8, 1_800_000)])
+    LinearModel(fixed=1000000.0, per_sample=100000.0)
 
     Args:
         points: ``(size, peak_bytes)`` pairs, any order; repeated sizes keep their largest peak.
@@ -262,8 +281,12 @@ class SearchState:
 
     @property
     def points(self) -> list[tuple[int, int]]:
-        """``(size, peak_bytes)`` of the fitting trials that reported a peak."""
-        return [(t.size, t.peak_bytes) for t in self.trials if t.fits and t.peak_bytes is not None]
+        """``(size, peak_bytes)`` of the fitting trials that reported a peak.
+
+        When every such trial also reported the peaks of its phases, the points are those of
+        the phase that binds first at the capacity (see :func:`binding_points`).
+        """
+        return binding_points(self.trials, self.capacity_bytes)
 
     def below(self) -> int:
         """The bracket's lower side: the largest fit, or one grid step under ``min_size``."""
@@ -326,12 +349,10 @@ class Exponential:
     def next_size(self, state: SearchState) -> int:
         if not state.trials:
             return state.start if state.start is not None else state.min_size
-        midpoint = state.midpoint()
         if state.smallest_fail is None and state.largest_fit is not None:
             return state.largest_fit * self.factor
-        if midpoint is None:  # unreachable: a trial was made, so one side is known
-            return state.min_size
-        return midpoint
+        midpoint = state.midpoint()
+        return state.min_size if midpoint is None else midpoint
 
 
 @dataclass(frozen=True)
@@ -339,16 +360,21 @@ class ModelGuided:
     """Fit ``peak(n) = a + b*n`` to the measured peaks and jump to the predicted largest fit.
 
     The first trial is at ``first_size`` (not 1: at size 1 a constant such as the optimizer step
-    often sets the peak), the second where a proportional estimate says it surely fits, and then
-    each trial goes to the size the refitted model predicts under ``capacity_bytes``; a
-    prediction that is uncertain (long extrapolation, allocator rounding) lands safely below it.
-    A prediction proven wrong is followed by steps that double away from it, never beyond the
-    bracket's midpoint, so a wrong model costs a logarithmic number of trials. Without peak
-    statistics or capacity, and after ``model_trials`` trials, it defers to ``fallback``.
+    often sets the peak); the second where scaling that peak says it surely fits. From then on
+    the model is refitted to the largest sizes (dropping small ones off the line) and each trial
+    goes where it predicts the largest fit under ``capacity_bytes``: exactly there when the
+    prediction is good to one size; safely below it when allocator rounding over a long
+    extrapolation makes it uncertain; a geometric step when the slope is mostly noise; three
+    quarters of the way when the curve bends (a constant sets the peak up to some size, so the
+    line through the first point past the bend is too flat). A trial that fits where the model
+    expected the last size steps up by a growing amount; a failure where it promised a fit steps
+    down by one, then two, then bisects. Without peak statistics or capacity, and after
+    ``model_trials`` trials, ``fallback`` chooses, which bounds the trial count.
 
-    >>> probe = lambda n: Outcome(fits=1000 + 10 * n <= 2000, peak_bytes=1000 + 10 * n)
-    >>> search(probe, capacity_bytes=2000).sizes
-    (2, 3, 100, 101)
+    >>> peak = lambda n: 3_000_000_000 + 5_000_000 * n  # bytes
+    >>> probe = lambda n: Outcome(fits=peak(n) <= 8_000_000_000, peak_bytes=peak(n))
+    >>> search(probe, capacity_bytes=8_000_000_000, policy=ModelGuided()).sizes
+    (2, 8, 1000, 1001)
 
     Args:
         first_size: the first size tried when there is no ``start`` or ``prior``.
@@ -362,7 +388,7 @@ class ModelGuided:
     first_size: int = 2
     granularity_bytes: int = 512
     max_growth: int = 2**16
-    model_trials: int = 8
+    model_trials: int = 12
     fallback: Exponential = Exponential()
 
     def __post_init__(self) -> None:
@@ -396,18 +422,30 @@ class ModelGuided:
     def _fit(self, state: SearchState, points: list[tuple[int, int]]) -> _Fit | None:
         if len({size for size, _ in points}) >= 2:
             return _fit(points, 8.0 * self.granularity_bytes)
-        if state.prior is None:
+        prior, capacity = state.prior, state.capacity_bytes
+        if prior is None or capacity is None:
             return None
+        promised = prior.largest_within(capacity)
+        if any(not t.fits and t.size <= promised for t in state.trials):
+            return None  # the prior said that size fits, and it did not: distrust it
         size, peak = max(points)
-        anchored = LinearModel(peak - state.prior.per_sample * size, state.prior.per_sample)
+        anchored = LinearModel(peak - prior.per_sample * size, prior.per_sample)
         return _Fit(anchored, size, size, 0.0)
 
     def _second_size(self, state: SearchState, point: tuple[int, int], capacity: int) -> int:
-        """With one measured point: where scaling its peak to capacity says the size surely fits."""
+        """With one measured point, where scaling its peak up to capacity says the size fits.
+
+        That proportional estimate is safe (a fixed cost can only make the true answer larger).
+        After the small first trial, half of it (but at least 4x the first size) is tried: cheap,
+        and far enough for a good slope. After any other single point (a ``start``), the estimate
+        itself, or the next size up when the point is already at capacity.
+        """
         size, peak = point
-        step = state.multiple_of
         proportional = size * capacity // peak if peak > 0 else size * self.max_growth
-        target = max(proportional // 2, 4 * size)
+        if size <= max(self.first_size, state.min_size):
+            target = max(proportional // 2, 4 * size)
+        else:
+            target = max(proportional, size + state.multiple_of)
         target = min(target, size * self.max_growth)
         midpoint = state.midpoint()
         if state.smallest_fail is not None and midpoint is not None:
@@ -421,42 +459,66 @@ class ModelGuided:
         high = None if upper is None else upper // step
         midpoint = state.midpoint()
         middle = None if midpoint is None else midpoint // step
-        target = self._target(fit, capacity, state.below()) // step
-        if state.largest_fit is not None:
-            target = min(target, low * self.max_growth)
-        if state.max_size is not None:
-            target = min(target, state.max_size // step)
-        if target <= low:  # the model says we are there: verify, doubling away from it
-            index = low + max(1, low - target)
-            return (index if middle is None else min(index, middle)) * step
-        if state.smallest_fail is not None and high is not None and target >= high:
+        exact, spread = self._predict(fit, capacity)
+        optimistic = math.floor(exact + spread) // step
+        sharp = optimistic - math.floor(exact - spread) // step <= 1 and not fit.bent
+        if state.smallest_fail is not None and high is not None and optimistic >= high:
             assert middle is not None  # a failure bounds the bracket
-            if target == high:  # off by one, as allocator rounding does: step down once
-                return max(high - 1, middle) * step
+            miss = optimistic - high + 1  # sizes the model promised that failed
+            if sharp and miss <= 2:  # off by one or two, as allocator rounding does
+                return max(high - miss, middle) * step
             return middle * step  # proven wrong beyond that: bisect
-        return target * step
+        target = self._cap(state, optimistic * step) // step
+        if target <= low:  # the model says we are there: verify, growing the step if it misled
+            index = low + max(1, low - target, 2 * self._misled_step(state, capacity))
+            return (index if middle is None else min(index, middle)) * step
+        if sharp:
+            return target * step
+        if fit.bent:  # the slope may be too small: land well short, past the bend
+            return max(low + 1, low + 3 * (target - low) // 4) * step
+        if spread * 4 > exact - fit.high:  # the slope is mostly noise: a geometric step
+            return max(low + 1, math.isqrt(max(low, 1) * target)) * step
+        # Land below every candidate, and at least an eighth of the way back: it surely fits
+        # and lengthens the fit's baseline, so that the next prediction is sharp.
+        center = min(math.floor(exact) // step, target)
+        aim = min(math.floor(exact - spread) // step, center - (center - low) // 8)
+        return max(low + 1, aim) * step
 
-    def _target(self, fit: _Fit, capacity: int, below: int) -> int:
-        """The size to try: the predicted largest fit, or safely below it when that is uncertain.
+    def _cap(self, state: SearchState, size: int) -> int:
+        """``size`` limited to ``max_growth`` times the largest fit and to ``max_size``."""
+        if state.largest_fit is not None:
+            size = min(size, state.largest_fit * self.max_growth)
+        return size if state.max_size is None else min(size, state.max_size)
 
-        The measured peaks may each be off by ``granularity_bytes`` (or the fit's worst residual);
-        extrapolating beyond the fitted sizes multiplies that. When the sizes that could be the
-        answer are at most two, the larger is tried first (either result then needs one more
-        trial); otherwise the trial lands below all of them, and at least an eighth of the way
-        back towards the largest fit, so that it surely fits and lengthens the fit's baseline.
+    def _misled_step(self, state: SearchState, capacity: int) -> int:
+        """The last step in grid steps if it fit where the model before it said it would fail."""
+        last = state.trials[-1]
+        earlier = [t.size for t in state.trials[:-1] if t.fits]
+        if not last.fits or not earlier:
+            return 0
+        points = binding_points(state.trials[:-1], capacity)
+        fit = self._fit(state, points) if points else None
+        if fit is None:
+            return 0
+        exact, spread = self._predict(fit, capacity)
+        if math.floor(exact + spread) >= last.size:
+            return 0
+        return (last.size - max(earlier)) // state.multiple_of
+
+    def _predict(self, fit: _Fit, capacity: int) -> tuple[float, float]:
+        """Where the line meets capacity, and by how many sizes that may be off.
+
+        Each measured peak may be off by ``granularity_bytes`` (or the fit's worst residual);
+        extrapolating beyond the fitted sizes multiplies that.
         """
         model = fit.model
         exact = (capacity - model.fixed) / model.per_sample
         if not math.isfinite(exact) or exact > UNBOUNDED_MAX_SIZE:
-            return UNBOUNDED_MAX_SIZE
+            return float(UNBOUNDED_MAX_SIZE), 0.0
         error = max(float(self.granularity_bytes), fit.residual)
         if fit.high > fit.low:
             error *= 1 + 2 * max(0.0, exact - fit.high) / (fit.high - fit.low)
-        spread = error / model.per_sample
-        lowest, highest = math.floor(exact - spread), math.floor(exact + spread)
-        if highest - lowest <= 1:
-            return highest
-        return min(lowest, math.floor(exact) - (math.floor(exact) - below) // 8)
+        return exact, error / model.per_sample
 
 
 class _Bracket:
@@ -495,6 +557,40 @@ class _Bracket:
             self.fail = size
 
 
+def binding_points(trials: Sequence[Trial], capacity_bytes: int | None) -> list[tuple[int, int]]:
+    """``(size, peak)`` points of the fitting trials: of the phase whose own line reaches
+    ``capacity_bytes`` first when the trials measured their phases, else of the whole step.
+
+    The step's peak is the maximum of its phases' peaks, each affine in the size; a phase with
+    a large constant and a small slope (the optimizer step) sets the peak at small sizes and
+    bends the step's curve. Fitting each phase alone keeps every line straight.
+
+    >>> trials = [Trial(2, True, 900, parts=(500, 900)), Trial(8, True, 1100, parts=(1100, 906))]
+    >>> binding_points(trials, capacity_bytes=5000)
+    [(2, 500), (8, 1100)]
+    """
+    fitting = [t for t in trials if t.fits and t.peak_bytes is not None]
+    whole = [(t.size, t.peak_bytes) for t in fitting if t.peak_bytes is not None]
+    count = len(fitting[0].parts) if fitting else 0
+    if (
+        capacity_bytes is None
+        or count < 2
+        or any(len(t.parts) != count for t in fitting)
+        or len({t.size for t in fitting}) < 2
+    ):
+        return whole
+    best: tuple[float, list[tuple[int, int]]] | None = None
+    for index in range(count):
+        points = [(t.size, t.parts[index]) for t in fitting]
+        model = fit_linear(points)
+        if model is None:  # this phase does not grow with the size: it never binds first
+            continue
+        reach = (capacity_bytes - model.fixed) / model.per_sample
+        if best is None or reach < best[0]:
+            best = (reach, points)
+    return whole if best is None else best[1]
+
+
 def search(
     probe: Callable[[int], Outcome],
     *,
@@ -514,17 +610,22 @@ def search(
     twice or off the grid, and the same probe gives the same sequence of sizes.
 
     Trials, with the default policy: with peak statistics on an affine curve (also one whose
-    first sizes bend, with 512-byte rounding) typically 4-5; without statistics at most
-    ``2*floor(log2(answer)) + 2`` from ``min_size=1``; for any monotone probe at most
-    ``2*ceil(log2(R)) + 20``, where ``R`` is the number of grid sizes up to twice the answer
-    (bounded by ``max_size``).
+    first size bends, with 512-byte rounding) 4 or 5, one of them failing; about 9 when a
+    constant (the optimizer step) sets the peak up to hundreds of samples; with an exact
+    ``start`` or ``prior``, 2; without statistics at most ``2*floor(log2(answer)) + 2`` from
+    ``min_size=1``. For any monotone probe, any ``start`` and any ``prior``: at most
+    ``2*ceil(log2(R)) + 20``, where ``R`` is the number of grid sizes from ``min_size`` up to
+    twice the answer (or ``max_size`` if smaller): the guided trials are capped (12), then
+    doubling and bisection cost ``2*ceil(log2(R)) + 2``, after at most 6 geometric bisections
+    of a far-off failure.
 
     >>> search(lambda n: Outcome(fits=n <= 37), policy=Exponential()).sizes
     (1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37)
-    >>> probe = lambda n: Outcome(fits=5000 + 100 * n <= 9000, peak_bytes=5000 + 100 * n)
-    >>> outcome = search(probe, capacity_bytes=9000)
+    >>> peak = lambda n: 2_000_000_000 + 40_000_000 * n  # bytes
+    >>> probe = lambda n: Outcome(fits=peak(n) <= 16_000_000_000, peak_bytes=peak(n))
+    >>> outcome = search(probe, capacity_bytes=16_000_000_000)
     >>> outcome.largest_fit, outcome.sizes
-    (40, (2, 3, 40, 41))
+    (350, (2, 8, 350, 351))
 
     Args:
         probe: runs one trial at a size and reports an :class:`Outcome`.
@@ -575,9 +676,9 @@ def search(
             raise TypeError(
                 f"probe({size}) returned {type(outcome).__name__}; it must return an Outcome"
             )
-        trials.append(Trial(size, outcome.fits, outcome.peak_bytes, outcome.error))
+        trials.append(Trial(size, outcome.fits, outcome.peak_bytes, outcome.error, outcome.parts))
         bracket.record(size, outcome.fits)
-        logger.info(
+        logger.debug(
             "trial %d: size %d %s (peak %s bytes%s)",
             len(trials),
             size,
@@ -585,7 +686,7 @@ def search(
             outcome.peak_bytes,
             "" if outcome.error is None else f", {outcome.error}",
         )
-    points = [(t.size, t.peak_bytes) for t in trials if t.fits and t.peak_bytes is not None]
+    points = binding_points(trials, capacity_bytes)
     return SearchOutcome(bracket.fit, bracket.fail, tuple(trials), fit_linear(points))
 
 
@@ -623,9 +724,14 @@ def recommend(
     if largest is None:
         raise ValueError("outcome has no fitting size (largest_fit is None); nothing to recommend")
     smallest = -(-min_size // multiple_of) * multiple_of
+    top = largest // multiple_of * multiple_of
+    if top < smallest:
+        raise ValueError(
+            f"largest_fit={largest} is below the smallest grid size {smallest} "
+            f"(min_size={min_size}, multiple_of={multiple_of}); pass the search's own grid"
+        )
     if outcome.model is not None and capacity_bytes is not None:
         size = outcome.model.largest_within((1 - headroom) * capacity_bytes)
     else:
         size = math.floor((1 - headroom) * largest)
-    size = size // multiple_of * multiple_of
-    return max(smallest, min(size, largest))
+    return max(smallest, min(size // multiple_of * multiple_of, top))

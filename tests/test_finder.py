@@ -439,3 +439,22 @@ def test_memory_held_by_another_process_is_not_searched_into() -> None:
     assert shared.capacity_bytes == 8 * 2**20
     assert any("not available to this process" in note for note in shared.notes)
     assert [t.size for t in shared.trials] == [t.size for t in alone.trials]
+
+
+def test_library_cache_reuses_a_result_for_the_same_setup(tmp_path: Any) -> None:
+    model = mlp()
+    sample = WORKLOADS["mlp"].sample(3)
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda _m, args: calls.append(args[0].shape[0]))
+    with SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model)
+        first = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, cache=tmp_path)
+        ran = len(calls)
+        again = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, cache=tmp_path)
+        assert len(calls) == ran  # no trial ran: the stored result was used
+        other = search_batch_size(model, sample, torch.optim.Adam, loss_fn=CE, cache=tmp_path)
+        assert len(calls) > ran  # another optimizer is another setup
+    assert again.batch_size == first.batch_size
+    assert again.trials == first.trials
+    assert any("from the cache" in note for note in again.notes)
+    assert other.batch_size < first.batch_size  # Adam's moments take room

@@ -1,0 +1,371 @@
+"""``find_best_batch``: the batch size that trains fastest, which is not always the largest.
+
+Past some size a device is saturated: a larger batch costs as much time per sample and only takes
+memory (and changes the optimisation). This module times real steps at candidate sizes up to the
+largest that fits (warm-up steps, the device synchronised around every timed step, several
+repeats, the median) and picks the smallest size within a tolerance of the best samples/second.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
+from autobatch._errors import BatchSizeError
+from autobatch._finder import Sample, SearchResult, _batch_factory, _model_device, search_batch_size
+from autobatch._log import get_logger
+from autobatch._oom import oom_kind, size_limit_kind
+from autobatch._state import Snapshot
+from autobatch._trial import (
+    Batch,
+    LossFn,
+    OptimizerLike,
+    StepFn,
+    make_optimizer,
+    make_step,
+    prime_optimizer,
+)
+
+logger = get_logger("throughput")
+
+#: Default tolerance: the chosen size is the smallest within 2% of the best samples/second.
+DEFAULT_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class ThroughputPoint:
+    """One candidate size: its median step time and samples/second (None when it ran out of
+    memory, with the kind of error)."""
+
+    size: int
+    samples_per_s: float | None
+    seconds: float | None
+    error: str | None = None
+
+    def __str__(self) -> str:
+        if self.samples_per_s is None or self.seconds is None:
+            return f"batch {self.size:>6}: OOM ({self.error})"
+        return (
+            f"batch {self.size:>6}: {self.samples_per_s:,.1f} samples/s "
+            f"(median step {self.seconds * 1e3:.2f} ms)"
+        )
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    """What :func:`find_best_batch` measured.
+
+    ``batch_size`` is the smallest size whose throughput is within ``tolerance`` of the best
+    (``best_samples_per_s``, at ``fastest_batch_size``); ``points`` is the whole curve in size
+    order; ``max_batch_size`` is the largest size considered; ``search`` the search that found
+    it, when one ran.
+    """
+
+    batch_size: int
+    samples_per_s: float
+    fastest_batch_size: int
+    best_samples_per_s: float
+    max_batch_size: int
+    tolerance: float
+    points: tuple[ThroughputPoint, ...]
+    device: str
+    train: bool
+    repeats: int
+    warmup: int
+    search: SearchResult | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def __repr__(self) -> str:
+        lines = [
+            f"ThroughputResult(batch_size={self.batch_size}, "
+            f"samples_per_s={self.samples_per_s:,.1f}, "
+            f"fastest_batch_size={self.fastest_batch_size}, "
+            f"best_samples_per_s={self.best_samples_per_s:,.1f}, "
+            f"max_batch_size={self.max_batch_size}, tolerance={self.tolerance:g}, "
+            f"device={self.device!r})"
+        ]
+        lines += [f"  {point}" for point in self.points]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+    def plot(self, path: str | None = None) -> Any:
+        """Samples/second against batch size, with the tolerance band and the chosen size.
+
+        Needs matplotlib (``pip install 'torch-autobatch[plot]'``). Saves to ``path`` when
+        given; returns the matplotlib figure.
+        """
+        from autobatch._plot import plot_throughput
+
+        return plot_throughput(self, path)
+
+
+def default_candidates(max_batch: int, *, min_batch: int = 1, multiple_of: int = 1) -> list[int]:
+    """Powers of two from ``min_batch`` up to ``max_batch`` (rounded down to ``multiple_of``),
+    and ``max_batch`` itself.
+
+    >>> default_candidates(200)
+    [1, 2, 4, 8, 16, 32, 64, 128, 200]
+    >>> default_candidates(100, min_batch=4, multiple_of=8)
+    [8, 16, 32, 64, 100]
+    """
+    sizes = {max_batch}
+    power = 1
+    while power < max_batch:
+        size = power // multiple_of * multiple_of
+        if size >= max(min_batch, 1):
+            sizes.add(size)
+        power *= 2
+    return sorted(sizes)
+
+
+def _check_sizes(candidates: Iterable[int]) -> list[int]:
+    sizes = list(candidates)
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"candidates must be positive ints, got {size!r} in {sizes!r}")
+    if not sizes:
+        raise ValueError("candidates is empty; give at least one batch size to time")
+    return sorted(set(sizes))
+
+
+def _check(tolerance: float, repeats: int, warmup: int) -> None:
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
+        0 <= tolerance < 1
+    ):
+        raise ValueError(f"tolerance must be a fraction in [0, 1), e.g. 0.02; got {tolerance!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+
+
+class _Timer:
+    """Times the step at one size: warm-up, then ``repeats`` synchronised steps."""
+
+    def __init__(
+        self,
+        make_batch: Callable[[int], Batch],
+        step: Callable[[Batch], None],
+        memory: DeviceMemory,
+        cleanup: Callable[[], None],
+        *,
+        repeats: int,
+        warmup: int,
+    ) -> None:
+        self.make_batch = make_batch
+        self.step = step
+        self.memory = memory
+        self.cleanup = cleanup
+        self.repeats = repeats
+        self.warmup = warmup
+
+    def _run(self, size: int, times: list[float]) -> str | None:
+        try:
+            batch = self.make_batch(size)
+            for _ in range(self.warmup):
+                self.step(batch)
+            for _ in range(self.repeats):
+                self.memory.synchronize()
+                start = time.perf_counter()
+                self.step(batch)
+                self.memory.synchronize()
+                times.append(time.perf_counter() - start)
+        except Exception as error:  # classified below; anything not ours is re-raised
+            kind = oom_kind(error)
+            if kind is None:
+                limit = size_limit_kind(error)
+                if limit is None:
+                    raise
+                kind = f"size_limit:{limit}"
+            return kind
+        return None
+
+    def __call__(self, size: int) -> ThroughputPoint:
+        times: list[float] = []
+        error = self._run(size, times)
+        self.cleanup()
+        if error is not None:  # out of the except block: the failed attempt's tensors are gone
+            free_memory(self.memory.device)
+            point = ThroughputPoint(size, None, None, error)
+        else:
+            median = statistics.median(times)
+            point = ThroughputPoint(size, size / median if median > 0 else math.inf, median)
+        logger.info("%s", point)
+        return point
+
+
+def find_best_batch(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike = None,
+    *,
+    max_batch: int | None = None,
+    candidates: Sequence[int] | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    repeats: int = 5,
+    warmup: int = 2,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    train: bool = True,
+    device: DeviceLike = None,
+    **search_options: Any,
+) -> ThroughputResult:
+    """The batch size with the best training throughput: the smallest within ``tolerance`` of
+    the most samples per second, with the whole measured curve.
+
+    Times real steps (warm-up, device synchronised around each timed step, median of
+    ``repeats``) at each candidate size. Afterwards the model, optimizer and RNG streams are
+    as before, like after :func:`~autobatch.find_max_batch`.
+
+    >>> import torch
+    >>> from autobatch.testing import SimulatedGPU
+    >>> model = torch.nn.Linear(64, 10)
+    >>> with SimulatedGPU("2MiB"):
+    ...     best = find_best_batch(model, torch.randn(1, 64), torch.optim.SGD, repeats=2)
+    >>> best.batch_size <= best.max_batch_size
+    True
+
+    Parameters
+    ----------
+    model, sample, optimizer, loss_fn, step_fn, train, device:
+        As for :func:`~autobatch.find_max_batch`.
+    max_batch:
+        The largest size to consider. Default: the recommended size of a
+        :func:`~autobatch.search_batch_size` run first (with ``search_options``).
+    candidates:
+        The sizes to time. Default: powers of two up to the maximum, and the maximum.
+    tolerance:
+        The chosen size is the smallest whose samples/second is at least ``1 - tolerance``
+        of the best.
+    repeats, warmup:
+        Timed steps per size (their median counts) and untimed steps before them.
+    search_options:
+        Passed to :func:`~autobatch.search_batch_size` (``headroom``, ``min_batch``,
+        ``multiple_of``, ``scaler``, ...); ``min_batch`` and ``multiple_of`` also shape the
+        default candidates, and ``scaler`` is used by the timed steps.
+
+    Raises
+    ------
+    BatchSizeError:
+        No candidate size could run (all ran out of memory).
+    """
+    _check(tolerance, repeats, warmup)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    search: SearchResult | None = None
+    if candidates is not None:
+        sizes = _check_sizes(candidates)
+        if max_batch is not None:
+            sizes = [s for s in sizes if s <= max_batch]
+            if not sizes:
+                raise ValueError(f"no candidate is <= max_batch={max_batch}")
+    else:
+        if max_batch is None:
+            search = search_batch_size(
+                model, sample, optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train,
+                device=device, **search_options,
+            )
+            max_batch = search.batch_size
+        elif isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
+        sizes = default_candidates(
+            max_batch,
+            min_batch=search_options.get("min_batch", 1),
+            multiple_of=search_options.get("multiple_of", 1),
+        )
+    target = _model_device(model, device)
+    memory = memory_for(target)
+    scaler = search_options.get("scaler")
+    optimizer_obj, temporary = make_optimizer(optimizer if train else None, model)
+    snapshot = Snapshot(model, optimizer_obj, tuple(x for x in (scaler,) if x is not None))
+    step = make_step(
+        model, optimizer_obj, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler
+    )
+
+    def drop_gradients() -> None:
+        model.zero_grad(set_to_none=True)
+        if optimizer_obj is not None:
+            optimizer_obj.zero_grad(set_to_none=True)
+
+    timer = _Timer(
+        _batch_factory(sample, target), step, memory, drop_gradients,
+        repeats=repeats, warmup=warmup,
+    )
+    points: list[ThroughputPoint] = []
+    try:
+        if not train:
+            model.eval()
+        if optimizer_obj is not None:
+            prime_optimizer(optimizer_obj)
+        for size in sizes:
+            point = timer(size)
+            points.append(point)
+            if point.samples_per_s is None:
+                break  # larger sizes need more memory still
+    finally:
+        drop_gradients()
+        snapshot.restore()
+        del snapshot
+        if temporary:
+            optimizer_obj = None
+        memory.empty_cache()
+    return _choose(points, tolerance, memory.name, train, repeats, warmup, search, sizes)
+
+
+def _choose(
+    points: list[ThroughputPoint],
+    tolerance: float,
+    device: str,
+    train: bool,
+    repeats: int,
+    warmup: int,
+    search: SearchResult | None,
+    sizes: list[int],
+) -> ThroughputResult:
+    timed = [(p.size, p.samples_per_s) for p in points if p.samples_per_s is not None]
+    if not timed:
+        first = points[0]
+        raise BatchSizeError(
+            f"no candidate batch size could run on {device}: batch {first.size} failed "
+            f"({first.error}) while timing. Give smaller candidates, or find what fits first "
+            "with autobatch.find_max_batch",
+            batch_size=first.size,
+        )
+    fastest, best = max(timed, key=lambda item: item[1])
+    chosen, rate = next((s, r) for s, r in timed if r >= (1 - tolerance) * best)
+    notes: list[str] = []
+    skipped = [s for s in sizes if s > points[-1].size]
+    if points[-1].samples_per_s is None:
+        notes.append(
+            f"batch {points[-1].size} ran out of memory while timing"
+            + (f"; larger candidates {skipped} were skipped" if skipped else "")
+        )
+    result = ThroughputResult(
+        batch_size=chosen,
+        samples_per_s=rate,
+        fastest_batch_size=fastest,
+        best_samples_per_s=best,
+        max_batch_size=max(sizes),
+        tolerance=float(tolerance),
+        points=tuple(points),
+        device=device,
+        train=train,
+        repeats=repeats,
+        warmup=warmup,
+        search=search,
+        notes=tuple(notes),
+    )
+    logger.info(
+        "fastest batch %d (%.1f samples/s); chosen %d (%.1f samples/s, within %g)",
+        fastest, best, chosen, rate, tolerance,
+    )
+    return result

@@ -1,0 +1,406 @@
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from autobatch import search_batch_size
+from autobatch._backends import memory_for
+from autobatch._cache import (
+    CACHE_ENV,
+    ResultCache,
+    autocast_dtype,
+    cached_search,
+    default_cache_dir,
+    fingerprint,
+    open_cache,
+    result_from_dict,
+    result_to_dict,
+    search_key,
+)
+from autobatch.testing import SimulatedGPU
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "ab" * 32
+
+
+def _model(width: int = 16, act: type[nn.Module] = nn.ReLU) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, width), act(), nn.Linear(width, 3))
+
+
+def _key(**changes: Any) -> str:
+    arguments: dict[str, Any] = {
+        "model": _model(),
+        "sample": torch.zeros(2, 8),
+        "device_name": "NVIDIA H100 80GB HBM3 (CUDA, cuda:0)",
+        "capacity_bytes": 80 * 2**30,
+        "optimizer": torch.optim.AdamW,
+        "autocast_dtype": None,
+        "train": True,
+        "extra": {"headroom": 0.05, "multiple_of": 1},
+    }
+    arguments.update(changes)
+    model, sample = arguments.pop("model"), arguments.pop("sample")
+    return fingerprint(model, sample, **arguments)
+
+
+# --------------------------------------------------------------------------- the key
+
+
+def test_same_setup_same_key_and_weights_or_rows_do_not_matter() -> None:
+    trained = _model()
+    with torch.no_grad():
+        next(trained.parameters()).add_(1.0)
+    assert _key() == _key()
+    assert _key(model=trained) == _key()
+    assert _key(sample=torch.ones(7, 8)) == _key()  # rows are cycled: their number is no key
+    assert len(_key()) == 64
+
+
+def _frozen() -> nn.Sequential:
+    model = _model()
+    next(model.parameters()).requires_grad_(False)
+    return model
+
+
+def _sgd(momentum: float, lr: float = 0.1) -> torch.optim.Optimizer:
+    return torch.optim.SGD(_model().parameters(), lr=lr, momentum=momentum)
+
+
+@pytest.mark.parametrize(
+    ("component", "changes"),
+    [
+        ("parameter shapes", {"model": _model(width=32)}),
+        ("module types", {"model": _model(act=nn.GELU)}),
+        ("parameter dtypes", {"model": _model().half()}),
+        ("trainable parameters", {"model": _frozen()}),
+        ("sample shape", {"sample": torch.zeros(2, 9)}),
+        ("sample dtype", {"sample": torch.zeros(2, 8, dtype=torch.float16)}),
+        ("sample structure", {"sample": (torch.zeros(2, 8), torch.zeros(2, dtype=torch.long))}),
+        ("device name", {"device_name": "NVIDIA A100-SXM4-80GB (CUDA, cuda:0)"}),
+        ("total memory", {"capacity_bytes": 40 * 2**30}),
+        ("optimizer class", {"optimizer": torch.optim.Adam}),
+        ("no optimizer", {"optimizer": None}),
+        ("optimizer options", {"optimizer": functools.partial(torch.optim.AdamW, amsgrad=True)}),
+        ("autocast dtype", {"autocast_dtype": torch.bfloat16}),
+        ("inference", {"train": False}),
+        ("search options", {"extra": {"headroom": 0.1, "multiple_of": 1}}),
+    ],
+)
+def test_every_component_invalidates(component: str, changes: dict[str, Any]) -> None:
+    assert _key(**changes) != _key(), component
+
+
+def test_torch_version_invalidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _key()
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert _key() != before
+
+
+def test_optimizer_instances_count_memory_options_not_learning_rates() -> None:
+    assert _key(optimizer=_sgd(0.9)) == _key(optimizer=_sgd(0.9, lr=0.5))  # lr: same memory
+    assert _key(optimizer=_sgd(0.9)) != _key(optimizer=_sgd(0.0))  # momentum buffer or none
+    assert _key(optimizer=_sgd(0.9)) != _key(optimizer=torch.optim.SGD)
+
+
+def test_callable_sample_keys_by_its_batches_and_leaves_the_rng_alone() -> None:
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, 100, (n, 64))
+
+    def longer(n: int) -> torch.Tensor:
+        return torch.randint(0, 100, (n, 128))
+
+    model = _model()
+    state = torch.get_rng_state()
+    key = _key(model=model, sample=tokens)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert key == _key(sample=tokens)
+    assert key != _key(sample=longer)
+
+
+def test_autocast_dtype_is_read_from_the_context() -> None:
+    assert autocast_dtype("cpu") is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_dtype("cpu") == torch.bfloat16
+    assert autocast_dtype("no-such-device") is None
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def test_default_directory_honours_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "autobatch"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+    cache = open_cache(True)
+    assert cache is not None
+    assert cache.path == tmp_path / "mine"
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "autobatch"
+
+
+def test_open_cache_options(tmp_path: Path) -> None:
+    assert open_cache(False) is None
+    cache = open_cache(tmp_path / "here")
+    assert cache is not None
+    assert cache.path == tmp_path / "here"
+    with pytest.raises(TypeError, match="cache must be"):
+        open_cache(3)  # type: ignore[arg-type]
+
+
+def test_miss_then_hit(tmp_path: Path) -> None:
+    cache = ResultCache(tmp_path / "new")  # created on the first write
+    assert cache.get(KEY) is None
+    cache.put(KEY, {"batch_size": 96, "nested": [1, None, "x"]})
+    assert cache.get(KEY) == {"batch_size": 96, "nested": [1, None, "x"]}
+    cache.put(KEY, {"batch_size": 97})
+    assert cache.get(KEY) == {"batch_size": 97}
+    assert [p.name for p in (tmp_path / "new").iterdir()] == [f"{KEY}.json"]  # no temp files
+
+
+def test_keys_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="hex digest"):
+        ResultCache(tmp_path).get("../escape")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"format": 1, "key": "',  # a torn write
+        "[]",
+        json.dumps({"format": 1, "key": "cd" * 32, "value": {}}),  # another key's entry
+        json.dumps({"format": 1, "key": KEY, "value": [1, 2]}),
+        json.dumps({"format": 1, "key": KEY}),
+        "",
+    ],
+)
+def test_corrupt_file_is_a_miss_with_a_warning(tmp_path: Path, content: str) -> None:
+    (tmp_path / f"{KEY}.json").write_text(content)
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert ResultCache(tmp_path).get(KEY) is None
+    ResultCache(tmp_path).put(KEY, {"ok": True})  # and it is repaired by the next write
+    assert ResultCache(tmp_path).get(KEY) == {"ok": True}
+
+
+def test_undecodable_and_unreadable_files_are_misses(tmp_path: Path) -> None:
+    (tmp_path / f"{KEY}.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert ResultCache(tmp_path).get(KEY) is None
+    (tmp_path / f"{KEY}.json").unlink()
+    (tmp_path / f"{KEY}.json").mkdir()  # reading a directory fails with an OSError
+    with pytest.warns(UserWarning, match="cannot read"):
+        assert ResultCache(tmp_path).get(KEY) is None
+
+
+def test_entry_of_another_format_is_a_silent_miss(tmp_path: Path) -> None:
+    (tmp_path / f"{KEY}.json").write_text(json.dumps({"format": 0, "key": KEY, "value": {}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ResultCache(tmp_path).get(KEY) is None
+
+
+def test_unwritable_cache_warns_and_goes_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.warns(UserWarning, match="cannot write"):
+        ResultCache(blocker).put(KEY, {"batch_size": 1})
+    with pytest.warns(UserWarning, match="cannot read"):
+        assert ResultCache(blocker).get(KEY) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=8),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=10)
+            | st.floats(allow_nan=False, allow_infinity=False),
+            lambda children: st.lists(children, max_size=3)
+            | st.dictionaries(st.text(max_size=5), children, max_size=3),
+            max_leaves=8,
+        ),
+        max_size=5,
+    )
+)
+def test_any_json_value_round_trips(value: dict[str, Any]) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        cache = ResultCache(directory)
+        cache.put(KEY, value)
+        assert cache.get(KEY) == value
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    import time
+    from pathlib import Path
+
+    from autobatch._cache import ResultCache
+
+    cache = ResultCache(sys.argv[1])
+    me, flags = sys.argv[2], Path(sys.argv[3])
+    (flags / f"ready-{me}").touch()
+    while not (flags / "go").exists():  # both writers start together
+        time.sleep(0.001)
+    for i in range(100):
+        cache.put("ab" * 32, {"writer": me, "i": i, "pad": "x" * (i * 97 % 5000)})
+        cache.put(f"{i % 10:x}" * 64, {"writer": me, "i": i})
+    """
+)
+
+
+def test_two_concurrent_writers_never_corrupt(tmp_path: Path) -> None:
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    directory = tmp_path / "cache"
+    writers = [
+        subprocess.Popen([sys.executable, str(script), str(directory), name, str(tmp_path)],
+                         cwd=ROOT)
+        for name in ("a", "b")
+    ]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{n}").exists() for n in "ab"):
+        assert time.monotonic() < deadline
+        assert all(w.poll() is None for w in writers)
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    cache = ResultCache(directory)
+    reads = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a torn or corrupt file would warn: make it fail
+        while any(w.poll() is None for w in writers):  # read while both write
+            value = cache.get("ab" * 32)
+            assert value is None or value["writer"] in ("a", "b")
+            reads += value is not None
+            time.sleep(0.001)
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    assert reads > 0
+    files = sorted(directory.iterdir())
+    assert len(files) == 11  # every temporary file was moved into place or removed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for file in files:
+            value = cache.get(file.stem)
+            assert value is not None
+            assert value["writer"] in ("a", "b")
+    assert cache.get("ab" * 32)["i"] == 99  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------- search results
+
+
+def _small() -> tuple[nn.Module, torch.Tensor]:
+    """A model and sample whose search takes a handful of quick trials in 2 MiB."""
+    return nn.Sequential(nn.Linear(512, 32), nn.ReLU(), nn.Linear(32, 10)), torch.randn(2, 512)
+
+
+@pytest.fixture(scope="module")
+def searched() -> Any:
+    model, sample = _small()
+    with SimulatedGPU("2MiB") as gpu:
+        gpu.adopt(model)
+        return search_batch_size(model, sample, torch.optim.SGD)
+
+
+def test_search_result_round_trips_through_json(searched: Any) -> None:
+    result = searched
+    data = json.loads(json.dumps(result_to_dict(result)))
+    assert result_from_dict(data) == result
+    assert data["batch_size"] == result.batch_size
+    assert data["trials"][0]["size"] == result.trials[0].size
+
+
+def test_damaged_result_is_refused(searched: Any) -> None:
+    data = result_to_dict(searched)
+    del data["trials"]
+    with pytest.raises(ValueError, match="not a stored search result"):
+        result_from_dict(data)
+
+
+def test_cached_search_runs_once_then_hits(tmp_path: Path) -> None:
+    model, sample = _small()
+    runs: list[int] = []
+
+    def run() -> Any:
+        runs.append(1)
+        return search_batch_size(model, sample, torch.optim.SGD)
+
+    def key() -> str:
+        return search_key(
+            model, sample, torch.optim.SGD, memory_for("cpu"), train=True, min_batch=1,
+            max_batch=None, multiple_of=1, headroom=0.05, steps_per_trial=1, loss_fn=None,
+            step_fn=None, scaler=None,
+        )
+
+    store = ResultCache(tmp_path)
+    with SimulatedGPU("2MiB") as gpu:
+        gpu.adopt(model)
+        first, hit_first = cached_search(store, key, run)
+        second, hit_second = cached_search(store, key, run)
+        _third, hit_third = cached_search(None, key, run)
+    assert (hit_first, hit_third) == (None, None)
+    assert hit_second is not None
+    assert hit_second.parent == tmp_path
+    assert len(runs) == 2
+    assert second.batch_size == first.batch_size
+    assert second.trials == first.trials
+    assert "from the cache" in second.notes[-1]
+    assert not any("from the cache" in note for note in first.notes)
+
+
+def test_cached_search_ignores_a_stored_value_that_is_no_result(
+    tmp_path: Path, searched: Any
+) -> None:
+    store = ResultCache(tmp_path)
+    store.put(KEY, {"batch_size": "many"})
+    result = searched
+    with pytest.warns(UserWarning, match="measuring again"):
+        got, hit = cached_search(store, lambda: KEY, lambda: result)
+    assert hit is None
+    assert got is result
+    assert store.get(KEY) == result_to_dict(result)
+
+
+def test_search_key_reads_the_device_and_the_options() -> None:
+    model, sample = _small()
+    options: dict[str, Any] = {
+        "min_batch": 1, "max_batch": None, "multiple_of": 1, "headroom": 0.05,
+        "steps_per_trial": 1, "loss_fn": None, "step_fn": None, "scaler": None,
+    }
+
+    def key(memory: Any, optimizer: Any = torch.optim.SGD, train: bool = True, **changes: Any) -> str:
+        return search_key(model, sample, optimizer, memory, train=train, **{**options, **changes})
+
+    with SimulatedGPU("2MiB"):
+        small = memory_for("cpu")
+        base = key(small)
+        assert key(small) == base
+        assert key(small, headroom=0) != base
+        assert key(small, loss_fn=nn.functional.cross_entropy) != base
+        assert key(small, scaler=torch.amp.GradScaler("cpu")) != base
+        assert key(small, train=False) == key(small, optimizer=None, train=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert key(small) != base
+    with SimulatedGPU("4MiB"):
+        assert key(memory_for("cpu")) != base
