@@ -208,11 +208,11 @@ def search_batch_size(
     memory = memory_for(target)
     store = open_cache(cache)
     if store is not None and not (sync_ranks and _distributed.active()):
-        options = dict(
-            loss_fn=loss_fn, step_fn=step_fn, train=train, min_batch=min_batch,
-            max_batch=max_batch, multiple_of=multiple_of, headroom=headroom,
-            steps_per_trial=steps_per_trial, scaler=scaler,
-        )
+        options: dict[str, Any] = {
+            "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "min_batch": min_batch,
+            "max_batch": max_batch, "multiple_of": multiple_of, "headroom": headroom,
+            "steps_per_trial": steps_per_trial, "scaler": scaler,
+        }
         return cached_search(
             store,
             lambda: search_key(model, sample, optimizer, memory, **options),
