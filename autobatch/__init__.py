@@ -9,6 +9,7 @@ from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import SearchResult, find_max_batch, search_batch_size
 from autobatch._oom import is_oom_error, is_size_limit_error
 from autobatch._planner import Plan, PlanBreakdown, plan_max_batch
+from autobatch._recovery import RecoveryStats, oom_guard, retry_on_oom
 from autobatch._throughput import ThroughputResult, find_best_batch
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "BatchSizeError",
     "Plan",
     "PlanBreakdown",
+    "RecoveryStats",
     "SearchResult",
     "ThroughputResult",
     "find_best_batch",
@@ -27,6 +29,8 @@ __all__ = [
     "free_memory",
     "is_oom_error",
     "is_size_limit_error",
+    "oom_guard",
     "plan_max_batch",
+    "retry_on_oom",
     "search_batch_size",
 ]

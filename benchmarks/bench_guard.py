@@ -1,0 +1,383 @@
+"""Benchmark retry_on_oom and oom_guard: overhead, retries per OOM, and peers' strategies.
+
+    python benchmarks/bench_guard.py            # about two minutes on a laptop CPU
+    python benchmarks/bench_guard.py --quick
+
+1. Overhead on steps that never run out of memory: a small CPU MLP step, plain loop versus the
+   decorated step inside the guard. Interleaved rounds, the minimum per-step time of each.
+2. Retries per OOM with the memory model: training on a simulated GPU whose capacity is varied
+   between what a sixteenth and what the whole batch needs; for every batch that ran out of memory,
+   how many failed attempts it took ("retries per OOM").
+3. Side by side with the strategies of peers, re-implemented here as small simulations on the same
+   simulated GPU and model (no peer code is installed, imported or copied):
+   - halving (Composer-style automatic micro-batching): on OOM, double the number of micro-batches
+     and run the whole batch again; keep the count for later batches.
+   - restart (Accelerate find_executable_batch_size / toma style): on OOM, restart the training
+     function with half the batch size, from the first batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autobatch import free_memory, is_oom_error
+from autobatch._recovery import oom_guard, retry_on_oom
+from autobatch.testing import SimulatedGPU
+from autobatch.testing.models import WORKLOADS
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Overhead
+
+
+def _per_step(fn: Callable[[], None], steps: int) -> float:
+    start = time.thread_time()  # CPU time of this thread: not the time it waited for the CPU
+    fn()
+    return (time.thread_time() - start) / steps
+
+
+def _paired(
+    plain: Callable[[], None], other: Callable[[], None], rounds: int, steps: int
+) -> tuple[float, float]:
+    """``other``'s overhead over ``plain``: the median over rounds of ``other`` timed between two
+    runs of ``plain`` (pairs cancel the machine's drift), as (relative, seconds per step)."""
+    plain()
+    other()
+    relative, absolute = [], []
+    for _ in range(rounds):
+        before, middle, after = (
+            _per_step(plain, steps),
+            _per_step(other, steps),
+            _per_step(plain, steps),
+        )
+        base = (before + after) / 2
+        relative.append(middle / base - 1)
+        absolute.append(middle - base)
+    return statistics.median(relative), statistics.median(absolute)
+
+
+def bench_overhead(rounds: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    work = WORKLOADS["mlp"]
+    torch.manual_seed(0)
+    model = work.model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = [work.sample(64) for _ in range(8)]
+
+    def step(batch: Batch) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        return loss
+
+    def noop(batch: Batch) -> None:
+        return None
+
+    guarded = retry_on_oom(optimizer=opt)(step)
+    guarded_noop = retry_on_oom(optimizer=opt)(noop)  # same optimizer: its version counters
+
+    def loop(fn: Callable[[Batch], Any], guard: bool) -> Callable[[], None]:
+        def run() -> None:
+            loader = (batches[i % len(batches)] for i in range(steps))
+            if not guard:
+                for batch in loader:
+                    fn(batch)
+                return
+            with oom_guard(loader) as g:
+                for batch in g:
+                    fn(batch)
+
+        return run
+
+    step(batches[0])  # Adam's state exists
+    plain_time = min(_per_step(loop(step, False), steps) for _ in range(rounds))
+    relative, absolute = _paired(loop(step, False), loop(guarded, True), rounds, steps)
+    _, fixed = _paired(loop(noop, False), loop(guarded_noop, True), rounds, steps)
+    print("\n## 1. Overhead on steps that never OOM (CPU MLP 128-256-256-256-10, batch 64, Adam)")
+    print(
+        f"thread CPU time, 1 thread; {rounds} rounds of {steps} steps, each guarded round timed "
+        "between two plain rounds, median of the pairs\n"
+    )
+    print("| measurement | µs per step | relative to the plain step |")
+    print("|---|---|---|")
+    print(f"| plain step (min) | {plain_time * 1e6:.1f} | |")
+    print(
+        f"| the same step, @retry_on_oom(optimizer=opt) inside oom_guard | "
+        f"{absolute * 1e6:+.1f} | {relative:+.2%} |"
+    )
+    print(
+        f"| guard + decorator around a no-op step (the bare machinery) | {fixed * 1e6:+.2f} | "
+        f"{fixed / plain_time:+.2%} |"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Shared: a training run on a simulated GPU
+
+
+class Trainer:
+    """A model, an AdamW optimizer and a plain step function, copied from one template."""
+
+    def __init__(self, template: nn.Module) -> None:
+        self.model = copy.deepcopy(template)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.steps = 0
+        self.started = 0
+        self.opt.register_step_post_hook(lambda *_: setattr(self, "steps", self.steps + 1))
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        self.opt.zero_grad()
+        loss = nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def accumulate(self, batch: Batch, pieces: int) -> None:
+        """Composer-style: one step from ``pieces`` micro-batches (``started`` counts rows)."""
+        self.opt.zero_grad()
+        total = len(batch[0])
+        size = -(-total // pieces)
+        self.started = 0
+        for start in range(0, total, size):
+            x, y = batch[0][start : start + size], batch[1][start : start + size]
+            self.started += len(x)
+            loss = nn.functional.cross_entropy(self.model(x), y) * (len(x) / total)
+            loss.backward()
+        self.opt.step()
+
+
+def peak_of(template: nn.Module, batch: Batch) -> int:
+    trainer = Trainer(template)
+    with SimulatedGPU("8GiB", adopt=[trainer.model, trainer.opt]) as gpu:
+        trainer.step(batch)
+        gpu.reset_peak()
+        trainer.step(batch)
+    return gpu.peak_bytes
+
+
+def make_loader(name: str, batches: int, size: int) -> list[Batch]:
+    torch.manual_seed(1)
+    return [WORKLOADS[name].sample(size) for _ in range(batches)]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Retries per OOM over varied capacities
+
+
+def bench_retries(workloads: list[tuple[str, int]], capacities: int, batches: int) -> None:
+    print("\n## 2. Retries per OOM with the memory model (SimulatedGPU, accumulate policy, AdamW)")
+    print(
+        f"capacity varied over {capacities} values between the peaks of a sixteenth of the batch "
+        f"and the whole batch; {batches} batches each; retries = failed attempts of a batch\n"
+    )
+    print(
+        "| workload | batch | OOM incidents | retries: 1 | 2 | 3+ | median | mean | samples recomputed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    everything: list[int] = []
+    for name, size in workloads:
+        torch.manual_seed(0)
+        template = WORKLOADS[name].model()
+        loader = make_loader(name, batches, size)
+        low = peak_of(template, (loader[0][0][: size // 16], loader[0][1][: size // 16]))
+        high = peak_of(template, loader[0])
+        incidents: list[int] = []
+        recomputed = 0
+        for i in range(capacities):
+            capacity = low + (high - low) * (i + 0.5) / capacities
+            trainer = Trainer(template)
+            step = retry_on_oom(optimizer=trainer.opt, model=trainer.model)(trainer.step)
+            with SimulatedGPU(int(capacity), adopt=[trainer.model, trainer.opt]):
+                for batch in loader:
+                    before = step.stats.ooms
+                    step(batch)
+                    if step.stats.ooms > before:
+                        incidents.append(step.stats.ooms - before)
+            recomputed += step.stats.samples_recomputed
+        everything += incidents
+        counts = Counter(min(r, 3) for r in incidents)
+        print(
+            f"| {name} | {size} | {len(incidents)} | {counts[1]} | {counts[2]} | {counts[3]} | "
+            f"{statistics.median(incidents) if incidents else '-'} | "
+            f"{statistics.mean(incidents) if incidents else 0:.2f} | {recomputed} |"
+        )
+    print(f"\nall workloads: median retries per OOM = {statistics.median(everything)}")
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Peers' strategies, simulated
+
+
+def run_ours(
+    template: nn.Module, loader: list[Batch], capacity: Callable[[int], int]
+) -> dict[str, Any]:
+    trainer = Trainer(template)
+    step = retry_on_oom(optimizer=trainer.opt, grow_after=2)(trainer.step)
+    incidents = []
+    with (
+        SimulatedGPU(capacity(0), adopt=[trainer.model, trainer.opt]) as gpu,
+        oom_guard(loader) as guard,
+    ):
+        for i, batch in enumerate(guard):
+            gpu.capacity_bytes = capacity(i)
+            before = step.stats.ooms
+            step(batch)
+            if step.stats.ooms > before:
+                incidents.append(step.stats.ooms - before)
+    return {
+        "ooms": guard.stats.ooms,
+        "incidents": incidents,
+        "recomputed": guard.stats.samples_recomputed,
+        "steps": trainer.steps,
+        "batch": len(loader[0][0]),
+        "micro": guard.stats.micro_batch_size or len(loader[0][0]),
+    }
+
+
+def run_halving(
+    template: nn.Module, loader: list[Batch], capacity: Callable[[int], int]
+) -> dict[str, Any]:
+    trainer = Trainer(template)
+    pieces = 1
+    ooms, recomputed, incidents = 0, 0, []
+    with SimulatedGPU(capacity(0), adopt=[trainer.model, trainer.opt]) as gpu:
+        for i, batch in enumerate(loader):
+            gpu.capacity_bytes = capacity(i)
+            failures = 0
+            while True:
+                try:
+                    trainer.accumulate(batch, pieces)
+                except Exception as error:  # the strategy under test: any OOM doubles the pieces
+                    if not is_oom_error(error):
+                        raise
+                    failed = True
+                else:
+                    failed = False
+                if not failed:
+                    break
+                free_memory()  # both peers collect garbage and empty the cache after an OOM
+                for p in trainer.model.parameters():
+                    p.grad = None
+                failures += 1
+                ooms += 1
+                recomputed += trainer.started  # rows whose forward ran in the failed attempt
+                pieces = min(pieces * 2, len(batch[0]))
+            if failures:
+                incidents.append(failures)
+    size = len(loader[0][0])
+    return {
+        "ooms": ooms,
+        "incidents": incidents,
+        "recomputed": recomputed,
+        "steps": trainer.steps,
+        "batch": size,
+        "micro": -(-size // pieces),
+    }
+
+
+def run_restart(
+    template: nn.Module, loader: list[Batch], capacity: Callable[[int], int]
+) -> dict[str, Any]:
+    trainer = Trainer(template)
+    xs = torch.cat([b[0] for b in loader])
+    ys = torch.cat([b[1] for b in loader])
+    size = len(loader[0][0])
+    ooms, recomputed, incidents = 0, 0, []
+    failures = 0
+    with SimulatedGPU(capacity(0), adopt=[trainer.model, trainer.opt]) as gpu:
+        while True:
+            done = 0
+            failed = False
+            try:
+                for _i, start in enumerate(range(0, len(xs), size)):
+                    # The pressure schedule follows the position in the data, not the step count.
+                    gpu.capacity_bytes = capacity(start // len(loader[0][0]))
+                    trainer.step((xs[start : start + size], ys[start : start + size]))
+                    done += min(size, len(xs) - start)
+            except Exception as error:  # the strategy under test: restart the whole function
+                if not is_oom_error(error):
+                    raise
+                failed = True
+            if not failed:
+                break
+            free_memory()
+            ooms += 1
+            failures += 1
+            recomputed += done + size  # everything so far, and the batch that failed
+            size //= 2
+            if size == 0:
+                raise RuntimeError("restart strategy: nothing fits")
+        if failures:
+            incidents.append(failures)
+    return {
+        "ooms": ooms,
+        "incidents": incidents,
+        "recomputed": recomputed,
+        "steps": trainer.steps,
+        "batch": size,
+        "micro": size,
+    }
+
+
+def bench_peers(name: str, batches: int, size: int) -> None:
+    torch.manual_seed(0)
+    template = WORKLOADS[name].model()
+    loader = make_loader(name, batches, size)
+    low = peak_of(template, (loader[0][0][: size // 8], loader[0][1][: size // 8]))
+    high = peak_of(template, loader[0])
+    tight = int(low + 0.3 * (high - low))
+    roomy = int(high * 1.05)
+    scenarios: dict[str, Callable[[int], int]] = {
+        "too small from the start": lambda i: tight,
+        "pressure mid-epoch (batches 4-6)": lambda i: tight if 4 <= i <= 6 else roomy,
+    }
+    print(f"\n## 3. Side by side ({name}, {batches} batches of {size}, AdamW, SimulatedGPU)")
+    print(
+        "Peers' strategies are re-implemented here as small simulations of their published "
+        "behaviour; no peer code is installed, imported or copied.\n"
+    )
+    print(
+        "| scenario | strategy | OOMs | retries per OOM (median) | samples recomputed | "
+        "optimizer steps | rows per step at the end | micro-batch at the end |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for scenario, capacity in scenarios.items():
+        for label, runner in (
+            ("autobatch (accumulate, grow_after=2)", run_ours),
+            ("halving, whole batch again (Composer-style)", run_halving),
+            ("restart with half the batch (Accelerate/toma-style)", run_restart),
+        ):
+            r = runner(template, loader, capacity)
+            median = statistics.median(r["incidents"]) if r["incidents"] else 0
+            print(
+                f"| {scenario} | {label} | {r['ooms']} | {median} | {r['recomputed']} | "
+                f"{r['steps']} | {r['batch']} | {r['micro']} |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and capacities")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bench_overhead(rounds=20 if args.quick else 150, steps=20 if args.quick else 40)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    capacities = 4 if args.quick else 12
+    bench_retries([("mlp", 1024), ("transformer", 128)], capacities=capacities, batches=3)
+    bench_peers("mlp", batches=10, size=1024)
+
+
+if __name__ == "__main__":
+    main()
