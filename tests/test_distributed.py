@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +71,16 @@ def test_single_process_without_group_is_unaffected() -> None:
     assert not autobatch._distributed.active()
     assert autobatch._distributed.all_max([3, 4]) == [3, 4]
     assert autobatch._distributed.failed_ranks(True) == [0]
+
+
+def test_torchrun_example_agrees_on_every_rank() -> None:
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         str(root / "examples" / "find_batch_torchrun.py")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("rank "))
+    assert len(lines) == 2
+    assert lines[0].split(":", 1)[1] == lines[1].split(":", 1)[1]
