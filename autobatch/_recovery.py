@@ -67,7 +67,6 @@ import math
 import operator
 import types
 import warnings
-from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, cast, overload
@@ -112,7 +111,7 @@ Reduction = Literal["mean", "sum"]
 
 #: The measuring piece after an OOM without a memory model is this fraction of the failed size.
 PROBE_DIVISOR = 8
-#: How many measured pieces the memory model remembers.
+#: How many distinct piece sizes (per shape) the memory model remembers.
 MAX_POINTS = 32
 #: Distinct piece sizes needed before a line is fitted (two cannot tell a bent start).
 MIN_FIT_SIZES = 3
@@ -290,13 +289,6 @@ class _KeyState:
     grow_from: int | None = None  # the last good size while a grow attempt is in flight
 
 
-@dataclass(frozen=True)
-class _Point:
-    key: Hashable
-    elements: int  # piece size times elements per sample
-    cost: int  # peak bytes above what was allocated when the piece started
-
-
 class _TooSmall(Exception):
     """The smallest allowed size failed."""
 
@@ -317,7 +309,9 @@ class _Sizes:
         self.grow_after = grow_after
         self.headroom = headroom
         self.states: dict[Hashable, _KeyState] = {}
-        self.points: deque[_Point] = deque(maxlen=MAX_POINTS)
+        # (shape key, elements in the piece) -> the largest cost measured (bytes above what was
+        # allocated when the piece started); the least recently measured size goes first.
+        self.points: dict[tuple[Hashable, int], int] = {}
 
     # The memory model -------------------------------------------------------------------------
 
@@ -330,17 +324,17 @@ class _Sizes:
         creating the gradients, if it does not sit on the line); with fewer, the cost of the
         largest piece is taken as proportional to its size, which overestimates the slope.
         """
-        own = [p for p in self.points if p.key == key]
-        points = own or list(self.points)
+        own = [(x, cost) for (k, x), cost in self.points.items() if k == key]
+        points = own or [(x, cost) for (_, x), cost in self.points.items()]
         if not points:
             return None
-        if len({p.elements for p in points}) >= MIN_FIT_SIZES:
-            fitted = fit_linear([(p.elements, p.cost) for p in points])
+        if len({x for x, _ in points}) >= MIN_FIT_SIZES:
+            fitted = fit_linear(points)
             if fitted is not None:
                 return fitted, True
-        top = max(points, key=lambda p: (p.elements, p.cost))
-        # One point: the whole cost scales with the piece (an overestimate of the slope).
-        return LinearModel(0.0, top.cost / top.elements), False
+        elements, cost = max(points)
+        # The whole cost taken as proportional to the piece: an overestimate of the slope.
+        return LinearModel(0.0, cost / elements), False
 
     def model_size(self, key: Hashable, eps: int, room: int | None) -> tuple[int, bool] | None:
         """The largest piece whose predicted cost fits in ``room`` less headroom, and whether the
@@ -356,8 +350,13 @@ class _Sizes:
 
     def record(self, key: Hashable, eps: int, n: int, cost: int) -> None:
         """Remember a measured piece (a cost of 0 or less says nothing and is dropped)."""
-        if cost > 0:
-            self.points.append(_Point(key, n * eps, cost))
+        if cost <= 0:
+            return
+        point = (key, n * eps)
+        cost = max(cost, self.points.pop(point, cost))  # re-inserted: the most recent
+        self.points[point] = cost
+        if len(self.points) > MAX_POINTS:
+            del self.points[next(iter(self.points))]
 
     # Choosing sizes ---------------------------------------------------------------------------
 
@@ -423,7 +422,7 @@ class _Sizes:
             refine = not fitted
         elif room is not None:
             if found is not None:  # the model said it fits: its points for this key are stale
-                self.points = deque((p for p in self.points if p.key != key), maxlen=MAX_POINTS)
+                self.points = {p: c for p, c in self.points.items() if p[0] != key}
             new, refine = failed // PROBE_DIVISOR, True
         else:
             new = failed // 2

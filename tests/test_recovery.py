@@ -465,7 +465,7 @@ def test_accumulate_matches_an_uninterrupted_run(workload: str, optimizer: str) 
     run = Run(factory, optimizer)
     step = retry_on_oom(optimizer=run.opt)(run.step)
     with SimulatedGPU(capacity, adopt=[run.model, run.opt]), oom_guard(batches) as guard:
-        losses = [float(step(b)) for b in guard]
+        losses = [step(b).item() for b in guard]
 
     assert guard.stats.ooms >= 1
     assert guard.stats.micro_batch_size is not None
@@ -849,9 +849,25 @@ def test_sizes_after_oom_never_reach_the_failed_size() -> None:
     assert (old, reason) == (None, "oom")
     assert new == 64 // 8
     assert sizes.states["k"].refine
-    assert not [p for p in sizes.points if p.key == "k"]
+    assert not [p for p in sizes.points if p[0] == "k"]
     old, new, _ = sizes.after_oom("k", 10, 8, room=None)
     assert (old, new) == (8, 4)  # no statistics: halve
+
+
+def test_many_equal_pieces_keep_the_fitted_model() -> None:
+    """Points are kept per distinct size: a long run of equal pieces (balanced splits) must not
+    push the other sizes out and turn a fitted model back into a rough one."""
+    sizes = _Sizes(min_batch=1, grow_after=None, headroom=0.0)
+    for n in (8, 16, 24):
+        sizes.record("k", 1, n, cost=1000 + 100 * n)
+    for _ in range(200):
+        sizes.record("k", 1, 32, cost=1000 + 100 * 32)
+    found = sizes.model("k")
+    assert found is not None
+    model, fitted = found
+    assert fitted
+    assert (model.fixed, model.per_sample) == pytest.approx((1000, 100))
+    assert len(sizes.points) == 4
 
 
 # --------------------------------------------------------------------------------------------

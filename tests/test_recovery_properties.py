@@ -171,7 +171,7 @@ def test_accumulate_steps_every_batch_once_with_all_its_samples(
         for batch in batches:
             step(batch)
     assert steps[0] == len(sizes)
-    assert math.isclose(float(w), expected, rel_tol=1e-12, abs_tol=1e-12)
+    assert math.isclose(w.item(), expected, rel_tol=1e-12, abs_tol=1e-12)
 
 
 @FAST
