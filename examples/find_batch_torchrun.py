@@ -39,6 +39,7 @@ def main() -> None:
         )
     print(f"rank {rank}: batch size {result.batch_size} (largest that fits on every rank: "
           f"{result.max_batch_size}) after {len(result.trials)} trials", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 

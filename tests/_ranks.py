@@ -29,11 +29,12 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        result = fn(rank, *args)
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    result = fn(rank, *args)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    # Every rank reaches the barrier before any tears gloo down: a rank that leaves early can
+    # abort a peer whose gloo threads still talk to it.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout: float = 90) -> list[Any]:
