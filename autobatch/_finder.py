@@ -24,6 +24,7 @@ from autobatch._trial import (
     StepFn,
     TrialRecord,
     TrialRunner,
+    drop_gradients,
     make_optimizer,
     make_step,
     prime_optimizer,
@@ -236,13 +237,11 @@ def search_batch_size(
         model, optimizer_obj, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler
     )
 
-    def drop_gradients() -> None:
-        model.zero_grad(set_to_none=True)
-        if optimizer_obj is not None:
-            optimizer_obj.zero_grad(set_to_none=True)
+    def cleanup() -> None:
+        drop_gradients(model, optimizer_obj)
 
     runner = TrialRunner(
-        make_batch, step, memory, steps_per_trial=steps_per_trial, cleanup=drop_gradients
+        make_batch, step, memory, steps_per_trial=steps_per_trial, cleanup=cleanup
     )
     sync = sync_ranks and _distributed.active()
     capacity = memory.capacity_bytes()
@@ -285,7 +284,7 @@ def search_batch_size(
             prior=prior,
         )
     finally:
-        drop_gradients()
+        cleanup()
         snapshot.restore()
         del snapshot
         if temporary:

@@ -403,3 +403,19 @@ def is_size_limit_error(exc: BaseException) -> bool:
         exc: The exception to classify; its ``__cause__``/``__context__`` chain is walked.
     """
     return size_limit_kind(exc) is not None
+
+
+def failure_kind(exc: BaseException) -> str | None:
+    """What a trial that raised ``exc`` ran into, when it depends on the batch size: an OOM kind
+    (``"cuda_allocator"``, ...), ``"size_limit:<kind>"``, or ``None`` for any other error.
+
+    >>> failure_kind(RuntimeError("input tensor must fit into 32-bit index math"))
+    'size_limit:index_32bit'
+    >>> failure_kind(ValueError("a bug")) is None
+    True
+    """
+    kind = oom_kind(exc)
+    if kind is not None:
+        return kind
+    limit = size_limit_kind(exc)
+    return None if limit is None else f"size_limit:{limit}"

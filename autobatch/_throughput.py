@@ -21,13 +21,14 @@ from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_fo
 from autobatch._errors import BatchSizeError
 from autobatch._finder import Sample, SearchResult, _batch_factory, _model_device, search_batch_size
 from autobatch._log import get_logger
-from autobatch._oom import oom_kind, size_limit_kind
+from autobatch._oom import failure_kind
 from autobatch._state import Snapshot
 from autobatch._trial import (
     Batch,
     LossFn,
     OptimizerLike,
     StepFn,
+    drop_gradients,
     make_optimizer,
     make_step,
     prime_optimizer,
@@ -179,13 +180,10 @@ class _Timer:
                 self.step(batch)
                 self.memory.synchronize()
                 times.append(time.perf_counter() - start)
-        except Exception as error:  # classified below; anything not ours is re-raised
-            kind = oom_kind(error)
-            if kind is None:
-                limit = size_limit_kind(error)
-                if limit is None:
-                    raise
-                kind = f"size_limit:{limit}"
+        except Exception as error:
+            kind = failure_kind(error)
+            if kind is None:  # not a matter of batch size: not ours to handle
+                raise
             return kind
         return None
 
@@ -291,13 +289,11 @@ def find_best_batch(
         model, optimizer_obj, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler
     )
 
-    def drop_gradients() -> None:
-        model.zero_grad(set_to_none=True)
-        if optimizer_obj is not None:
-            optimizer_obj.zero_grad(set_to_none=True)
+    def cleanup() -> None:
+        drop_gradients(model, optimizer_obj)
 
     timer = _Timer(
-        _batch_factory(sample, target), step, memory, drop_gradients,
+        _batch_factory(sample, target), step, memory, cleanup,
         repeats=repeats, warmup=warmup,
     )
     points: list[ThroughputPoint] = []
@@ -312,7 +308,7 @@ def find_best_batch(
             if point.samples_per_s is None:
                 break  # larger sizes need more memory still
     finally:
-        drop_gradients()
+        cleanup()
         snapshot.restore()
         del snapshot
         if temporary:

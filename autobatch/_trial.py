@@ -22,7 +22,7 @@ from torch.optim.optimizer import (
 from autobatch import _batch
 from autobatch._backends import DeviceMemory, free_memory
 from autobatch._log import get_logger
-from autobatch._oom import oom_kind, size_limit_kind
+from autobatch._oom import failure_kind
 from autobatch._units import format_bytes
 from autobatch.search import Outcome
 
@@ -129,6 +129,13 @@ def make_step(
     return step
 
 
+def drop_gradients(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Set every gradient to None: after a failed trial, and between trials."""
+    model.zero_grad(set_to_none=True)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+
+
 def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> tuple[torch.optim.Optimizer | None, bool]:
     """``(optimizer, temporary)``: an instance as is, or a class/factory called on the model's
     parameters (a temporary optimizer the search throws away)."""
@@ -223,13 +230,10 @@ class TrialRunner:
                 for _ in range(self.steps_per_trial):
                     self.step(batch)
                 self.memory.synchronize()
-        except Exception as error:  # classified below; anything not ours is re-raised
-            kind = oom_kind(error)
-            if kind is None:
-                limit = size_limit_kind(error)
-                if limit is None:
-                    raise
-                kind = f"size_limit:{limit}"
+        except Exception as error:
+            kind = failure_kind(error)
+            if kind is None:  # not a matter of batch size: not ours to handle
+                raise
             return kind
         return None
 
