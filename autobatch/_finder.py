@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from autobatch import _batch, _distributed
 from autobatch._backends import DeviceLike, memory_for, resolve_device
 from autobatch._cache import CacheOption, cached_search, open_cache, search_key
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._log import get_logger
+from autobatch._log import get_logger, user_stacklevel
 from autobatch._oom import oom_kind
 from autobatch._state import Snapshot
 from autobatch._trial import (
@@ -243,6 +244,13 @@ def search_batch_size(
     runner = TrialRunner(
         make_batch, step, memory, steps_per_trial=steps_per_trial, cleanup=cleanup
     )
+    if not memory.has_statistics and max_batch is None and target.type == "cpu":
+        warnings.warn(
+            "searching host memory without max_batch: the search doubles the batch until the "
+            "CPU allocator fails, which may first push the machine into swap or the OOM killer. "
+            "Pass max_batch= (e.g. len(dataset)), or test under autobatch.testing.SimulatedGPU",
+            stacklevel=user_stacklevel(),
+        )
     sync = sync_ranks and _distributed.active()
     capacity = memory.capacity_bytes()
     budget = capacity

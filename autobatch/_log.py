@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 
@@ -20,3 +21,14 @@ def get_logger(name: str) -> logging.Logger:
     if not any(isinstance(f, _RankZero) for f in logger.filters):
         logger.addFilter(_RankZero())
     return logger
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside autobatch."""
+    frame = inspect.currentframe()
+    frame = None if frame is None else frame.f_back  # the function that calls warnings.warn
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("autobatch."):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -85,7 +85,7 @@ from autobatch._batch import (
     tensors,
 )
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._log import get_logger
+from autobatch._log import get_logger, user_stacklevel
 from autobatch._oom import MAX_CHAIN_DEPTH, is_oom_error, oom_kind
 from autobatch._trial import _PhasePeaks
 from autobatch._units import format_bytes
@@ -1111,7 +1111,7 @@ class _Engine:
                     "micro-batch, so results differ slightly from whole batches (GroupNorm or "
                     "LayerNorm do not depend on the batch)",
                     UserWarning,
-                    stacklevel=_user_stacklevel(),
+                    stacklevel=user_stacklevel(),
                 )
                 return
 
@@ -1139,17 +1139,6 @@ def _room(memory: DeviceMemory) -> int | None:
     if not memory.has_statistics:
         return None
     return memory.free_bytes()
-
-
-def _user_stacklevel() -> int:
-    """The stack level of the first frame outside autobatch, for warnings."""
-    frame = inspect.currentframe()
-    frame = None if frame is None else frame.f_back  # the function that calls warnings.warn
-    level = 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("autobatch."):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 # --------------------------------------------------------------------------------------------

@@ -458,3 +458,15 @@ def test_library_cache_reuses_a_result_for_the_same_setup(tmp_path: Any) -> None
     assert again.trials == first.trials
     assert any("from the cache" in note for note in again.notes)
     assert other.batch_size < first.batch_size  # Adam's moments take room
+
+
+def test_unbounded_search_of_host_memory_warns() -> None:
+    model = nn.Linear(4, 2)
+
+    def step(m: nn.Module, batch: torch.Tensor) -> None:
+        if batch.shape[0] > 64:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        m(batch).sum().backward()
+
+    with pytest.warns(UserWarning, match="max_batch"):
+        assert find_max_batch(model, torch.randn(2, 4), step_fn=step, headroom=0) == 64
