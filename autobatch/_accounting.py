@@ -164,7 +164,13 @@ class CountingMode(TorchDispatchMode):
         inputs = _tensors(args)
         if kwargs:
             inputs += _tensors(tuple(kwargs.values()))
-        input_keys = {_storage_key(t.untyped_storage()) for t in inputs if _has_storage(t)}
+        # Only an operator whose schema lets a result alias an argument (views, in-place and
+        # out= operators) can return a storage it did not create.
+        input_keys = (
+            {_storage_key(t.untyped_storage()) for t in inputs if _has_storage(t)}
+            if _may_alias(func)
+            else set()
+        )
         added = 0
         for tensor in _tensors((out,)):
             if not _has_storage(tensor):
@@ -199,6 +205,20 @@ def _is_mutable(func: Any) -> bool:
         schema = getattr(func, "_schema", None)
         mutable = _MUTABLE[func] = schema is None or bool(schema.is_mutable)
     return mutable
+
+
+_ALIASING: dict[Any, bool] = {}
+
+
+def _may_alias(func: Any) -> bool:
+    """Whether an operator's schema lets a result share storage with an argument (cached)."""
+    aliasing = _ALIASING.get(func)
+    if aliasing is None:
+        schema = getattr(func, "_schema", None)
+        aliasing = _ALIASING[func] = schema is None or any(
+            r.alias_info is not None for r in schema.returns
+        )
+    return aliasing
 
 
 def _tensors(values: tuple[Any, ...] | list[Any]) -> list[torch.Tensor]:
