@@ -17,7 +17,6 @@ from autobatch._cache import CacheOption, cached_search, open_cache, search_key
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_stacklevel
 from autobatch._oom import oom_kind
-from autobatch._state import Snapshot
 from autobatch._trial import (
     Batch,
     LossFn,
@@ -25,9 +24,7 @@ from autobatch._trial import (
     StepFn,
     TrialRecord,
     TrialRunner,
-    drop_gradients,
-    make_optimizer,
-    make_step,
+    prepared,
     prime_optimizer,
 )
 from autobatch._units import format_bytes
@@ -224,33 +221,11 @@ def search_batch_size(
             ),
         )[0]
     make_batch = _batch_factory(sample, target)
-    optimizer_obj, temporary = make_optimizer(optimizer if train else None, model)
-    counted = optimizer_obj is not None or step_fn is not None
-    extras = tuple(x for x in (scaler,) if x is not None)
-    snapshot = Snapshot(model, optimizer_obj, extras)
     notes: list[str] = []
-    if train and optimizer_obj is None and step_fn is None:
+    if train and optimizer is None and step_fn is None:
         notes.append("no optimizer given: forward and backward only, optimizer state not counted")
     if not train:
         notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
-
-    step = make_step(
-        model, optimizer_obj, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler
-    )
-
-    def cleanup() -> None:
-        drop_gradients(model, optimizer_obj)
-
-    runner = TrialRunner(
-        make_batch, step, memory, steps_per_trial=steps_per_trial, cleanup=cleanup
-    )
-    if not memory.has_statistics and max_batch is None and target.type == "cpu":
-        warnings.warn(
-            "searching host memory without max_batch: the search doubles the batch until the "
-            "CPU allocator fails, which may first push the machine into swap or the OOM killer. "
-            "Pass max_batch= (e.g. len(dataset)), or test under autobatch.testing.SimulatedGPU",
-            stacklevel=user_stacklevel(),
-        )
     sync = sync_ranks and _distributed.active()
     capacity = memory.capacity_bytes()
     budget = capacity
@@ -277,11 +252,23 @@ def search_batch_size(
         else:
             start, prior = planned.max_batch_size, planned.memory_model
             notes.append(f"seeded by a plan: batch {start} in {planned.seconds:.2f} s")
-    try:
-        if not train:
-            model.eval()
-        if optimizer_obj is not None:
-            _prime(optimizer_obj, model, min_batch, capacity, memory.name, sync)
+    with prepared(
+        model, optimizer, memory, train=train, loss_fn=loss_fn, step_fn=step_fn, scaler=scaler
+    ) as work:
+        counted = work.optimizer is not None or step_fn is not None
+        if not memory.has_statistics and max_batch is None and target.type == "cpu":
+            warnings.warn(
+                "searching host memory without max_batch: the search doubles the batch until the "
+                "CPU allocator fails, which may first push the machine into swap or the OOM killer. "
+                "Pass max_batch= (e.g. len(dataset)), or test under autobatch.testing.SimulatedGPU",
+                stacklevel=user_stacklevel(),
+            )
+        runner = TrialRunner(
+            make_batch, work.step, memory, steps_per_trial=steps_per_trial,
+            cleanup=work.drop_gradients,
+        )
+        if work.optimizer is not None:
+            _prime(work.optimizer, model, min_batch, capacity, memory.name, sync)
         outcome = search(
             _agreeing(runner) if sync else runner,
             min_size=min_batch,
@@ -291,13 +278,6 @@ def search_batch_size(
             start=start,
             prior=prior,
         )
-    finally:
-        cleanup()
-        snapshot.restore()
-        del snapshot
-        if temporary:
-            optimizer_obj = None
-        memory.empty_cache()
     if outcome.largest_fit is None:
         raise _nothing_fits(runner.records, min_batch, budget, memory.name, outcome.model)
     recommended = recommend(

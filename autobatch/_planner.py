@@ -358,7 +358,7 @@ class _MetaSetup:
                 f"({type(error).__name__}: {error}); use autobatch.find_max_batch, which runs "
                 "real steps, instead"
             ) from error
-        self.optimizer, _ = make_optimizer(optimizer if train else None, self.model)
+        self.optimizer = make_optimizer(optimizer if train else None, self.model)
         if self.optimizer is not None:
             self.notes += _optimizer_as_on(self.optimizer, device_type)
             self.optimizer.register_step_pre_hook(self._optimizer_starts)

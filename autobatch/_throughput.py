@@ -21,16 +21,13 @@ from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_fo
 from autobatch._errors import BatchSizeError
 from autobatch._finder import Sample, SearchResult, _batch_factory, _model_device, search_batch_size
 from autobatch._log import get_logger
-from autobatch._oom import failure_kind
-from autobatch._state import Snapshot
 from autobatch._trial import (
     Batch,
     LossFn,
     OptimizerLike,
     StepFn,
-    drop_gradients,
-    make_optimizer,
-    make_step,
+    attempt,
+    prepared,
     prime_optimizer,
 )
 
@@ -170,7 +167,7 @@ class _Timer:
         self.warmup = warmup
 
     def _run(self, size: int, times: list[float]) -> str | None:
-        try:
+        def run() -> None:
             batch = self.make_batch(size)
             for _ in range(self.warmup):
                 self.step(batch)
@@ -180,12 +177,8 @@ class _Timer:
                 self.step(batch)
                 self.memory.synchronize()
                 times.append(time.perf_counter() - start)
-        except Exception as error:
-            kind = failure_kind(error)
-            if kind is None:  # not a matter of batch size: not ours to handle
-                raise
-            return kind
-        return None
+
+        return attempt(run)
 
     def __call__(self, size: int) -> ThroughputPoint:
         times: list[float] = []
@@ -282,38 +275,22 @@ def find_best_batch(
         )
     target = _model_device(model, device)
     memory = memory_for(target)
-    scaler = search_options.get("scaler")
-    optimizer_obj, temporary = make_optimizer(optimizer if train else None, model)
-    snapshot = Snapshot(model, optimizer_obj, tuple(x for x in (scaler,) if x is not None))
-    step = make_step(
-        model, optimizer_obj, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler
-    )
-
-    def cleanup() -> None:
-        drop_gradients(model, optimizer_obj)
-
-    timer = _Timer(
-        _batch_factory(sample, target), step, memory, cleanup,
-        repeats=repeats, warmup=warmup,
-    )
     points: list[ThroughputPoint] = []
-    try:
-        if not train:
-            model.eval()
-        if optimizer_obj is not None:
-            prime_optimizer(optimizer_obj)
+    with prepared(
+        model, optimizer, memory, train=train, loss_fn=loss_fn, step_fn=step_fn,
+        scaler=search_options.get("scaler"),
+    ) as work:
+        timer = _Timer(
+            _batch_factory(sample, target), work.step, memory, work.drop_gradients,
+            repeats=repeats, warmup=warmup,
+        )
+        if work.optimizer is not None:
+            prime_optimizer(work.optimizer)
         for size in sizes:
             point = timer(size)
             points.append(point)
             if point.samples_per_s is None:
                 break  # larger sizes need more memory still
-    finally:
-        cleanup()
-        snapshot.restore()
-        del snapshot
-        if temporary:
-            optimizer_obj = None
-        memory.empty_cache()
     return _choose(points, tolerance, memory.name, train, repeats, warmup, search, sizes)
 
 

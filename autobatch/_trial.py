@@ -7,8 +7,9 @@ never decides which size to try (that is :mod:`autobatch.search`).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from autobatch import _batch
 from autobatch._backends import DeviceMemory, free_memory
 from autobatch._log import get_logger
 from autobatch._oom import failure_kind
+from autobatch._state import Snapshot
 from autobatch._units import format_bytes
 from autobatch.search import Outcome
 
@@ -129,29 +131,67 @@ def make_step(
     return step
 
 
-def drop_gradients(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Set every gradient to None: after a failed trial, and between trials."""
-    model.zero_grad(set_to_none=True)
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-
-
-def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> tuple[torch.optim.Optimizer | None, bool]:
-    """``(optimizer, temporary)``: an instance as is, or a class/factory called on the model's
-    parameters (a temporary optimizer the search throws away)."""
+def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Optimizer | None:
+    """An optimizer instance as is, or a class/factory called on the model's parameters (a
+    temporary optimizer that the caller throws away)."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer, False
+        return optimizer
     if callable(optimizer):
         made = optimizer(model.parameters())
         if not isinstance(made, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer={optimizer!r} returned {type(made).__name__}, not a torch.optim.Optimizer"
             )
-        return made, True
+        return made
     raise TypeError(
         f"optimizer must be a torch.optim.Optimizer, an optimizer class or factory, or None; "
         f"got {type(optimizer).__name__}"
     )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a front-end runs trials with: the step, and the optimizer it steps (if any)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    step: Callable[[Batch], None]
+
+    def drop_gradients(self) -> None:
+        """Set every gradient to None: after a failed trial, and between trials."""
+        self.model.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def prepared(
+    model: nn.Module,
+    optimizer: OptimizerLike,
+    memory: DeviceMemory,
+    *,
+    train: bool,
+    loss_fn: LossFn | None,
+    step_fn: StepFn | None,
+    scaler: Any,
+) -> Iterator[Workload]:
+    """The one setup and teardown around trials: the optimizer made, everything a trial may
+    change saved (:class:`~autobatch._state.Snapshot`), the model in eval mode for inference;
+    afterwards gradients dropped, everything put back and the device cache emptied, also when
+    a trial raised."""
+    made = make_optimizer(optimizer if train else None, model)
+    snapshot = Snapshot(model, made, tuple(x for x in (scaler,) if x is not None))
+    work = Workload(
+        model, made, make_step(model, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler)
+    )
+    try:
+        if not train:
+            model.eval()
+        yield work
+    finally:
+        work.drop_gradients()
+        snapshot.restore()
+        memory.empty_cache()
 
 
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -177,6 +217,20 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
     finally:
         for p in params:
             p.grad = None
+
+
+def attempt(run: Callable[[], None]) -> str | None:
+    """Runs ``run``; returns None, or the kind of a batch-size-dependent failure (an OOM or a
+    size limit). Any other error propagates. The failed attempt's tensors die with ``run``'s
+    frame and the exception, both gone once this returns: clean up after it, not inside."""
+    try:
+        run()
+    except Exception as error:
+        kind = failure_kind(error)
+        if kind is None:  # not a matter of batch size: not ours to handle
+            raise
+        return kind
+    return None
 
 
 @dataclass(frozen=True)
@@ -224,18 +278,15 @@ class TrialRunner:
 
     def _attempt(self, size: int, phases: _PhasePeaks) -> str | None:
         """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
-        try:
+
+        def run() -> None:
             with phases:
                 batch = self.make_batch(size)
                 for _ in range(self.steps_per_trial):
                     self.step(batch)
                 self.memory.synchronize()
-        except Exception as error:
-            kind = failure_kind(error)
-            if kind is None:  # not a matter of batch size: not ours to handle
-                raise
-            return kind
-        return None
+
+        return attempt(run)
 
     def __call__(self, size: int) -> Outcome:
         self.memory.reset_peak()
