@@ -59,6 +59,7 @@ too much).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -73,7 +74,10 @@ from typing import Any, Generic, Literal, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
 
+from autobatch import _distributed
 from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
 from autobatch._batch import (
     Batch,
@@ -226,6 +230,7 @@ class RecoveryOptions:
     model: nn.Module | None = None
     device: DeviceLike = None
     headroom: float = 0.1
+    sync_ranks: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
@@ -718,6 +723,179 @@ def _combine(pieces: list[tuple[int, Any]], total: int, reduction: Reduction) ->
 
 
 # --------------------------------------------------------------------------------------------
+# Agreement between ranks (torch.distributed).
+
+#: How often one rank's first ``optimizer.step()`` is retried after an OOM while the others wait.
+STEP_TRIES = 3
+
+
+class _PeerFailed(AutobatchError):
+    """Another rank ran out of memory in this attempt; every rank stops it and recovers alike."""
+
+    def __init__(self, codes: list[int]) -> None:
+        self.ranks = [r for r, code in enumerate(codes) if code != _distributed.OK]
+        super().__init__(f"rank {', '.join(map(str, self.ranks))} ran out of memory")
+
+
+def _peer_error(codes: list[int], where: str) -> AutobatchError:
+    failed = [r for r, code in enumerate(codes) if code == _distributed.FAILED]
+    return AutobatchError(
+        f"rank {', '.join(map(str, failed))} failed {where} with an error autobatch cannot "
+        "recover from (see that rank's traceback); every rank stops here instead of waiting"
+    )
+
+
+class _Coordination:
+    """Keeps the ranks of a process group in lockstep through an engine's attempts.
+
+    Every attempt (one piece of a batch) ends with one vote on a side gloo group (OK, OOM or
+    FAILED per rank), or earlier, at the first agreement point where some rank reports a
+    failure: before every forward of a ``DistributedDataParallel`` module and at the start of
+    ``optimizer.step()``. The model's own collectives therefore never run while another rank has
+    already left the attempt. DDP's reducer is kept out of backward (``require_backward_grad_sync``
+    is off during attempts, as ``no_sync()`` does): once every rank has finished its backward
+    (the vote at ``optimizer.step()``), the gradients are averaged over the ranks, once per
+    optimizer step, exactly as DDP's default reduction does. An OOM inside a rank's first
+    ``optimizer.step()`` (state being created, no parameter changed) is retried on that rank
+    alone, with the same averaged gradients, while the others wait; any other failure inside
+    the step stops every rank with :class:`~autobatch.AutobatchError`.
+    """
+
+    def __init__(self, engine: _Engine) -> None:
+        self.engine = engine
+        self.active = False
+        self.settled: list[int] | None = None  # the vote of this attempt that saw a failure
+        self.modules: dict[int, tuple[DistributedDataParallel, bool]] = {}
+        self.patched: _Patch | None = None
+
+    # Votes ------------------------------------------------------------------------------------
+
+    def _vote(self, code: int) -> list[int]:
+        codes = _distributed.vote(code)
+        if max(codes) != _distributed.OK:
+            self.settled = codes
+        return codes
+
+    def checkpoint(self) -> None:
+        """An agreement point inside the step: go on only if no rank has failed."""
+        codes = self.settled if self.settled is not None else self._vote(_distributed.OK)
+        if max(codes) == _distributed.FAILED:
+            raise _peer_error(codes, "during this step")
+        if max(codes) != _distributed.OK:
+            raise _PeerFailed(codes)
+
+    def finish(self, code: int) -> list[int]:
+        """The attempt's verdict: every rank's code (one vote, unless one already saw a failure)."""
+        return self.settled if self.settled is not None else self._vote(code)
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank."""
+        return _distributed.agree_min([-int(flag)])[0] < 0
+
+    def piece(self, n: int, total: int) -> int:
+        """The piece size every rank takes: the smallest proposed (batches must be equal)."""
+        n, low, negated_high = _distributed.agree_min([n, total, -total])
+        if low != -negated_high:
+            raise AutobatchError(
+                f"{self.engine.name}: the ranks' batches differ in size ({low} to {-negated_high} "
+                "rows), so they cannot be split into the same number of micro-batches; give "
+                "every rank batches of one size (DistributedSampler, drop_last=True)"
+            )
+        return n
+
+    # One attempt ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Run one attempt in lockstep with the other ranks."""
+        optimizer = self.engine.optimizer
+        if optimizer is not None and self.patched is None:
+            real = optimizer.step
+            self.patched = _Patch(optimizer, "step", functools.partial(self._step, real))
+        self.settled = None
+        self.active = True
+        hook = register_module_forward_pre_hook(self._before_forward)
+        try:
+            yield
+        finally:
+            hook.remove()
+            self.active = False
+            for module, flag in self.modules.values():
+                module.require_backward_grad_sync = flag
+            self.modules.clear()
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not isinstance(module, DistributedDataParallel):
+            return
+        if id(module) not in self.modules:
+            self.modules[id(module)] = (module, module.require_backward_grad_sync)
+        module.require_backward_grad_sync = False  # gradients are averaged at optimizer.step()
+        if self.engine.optimizer is None:
+            self.settled = [_distributed.FAILED] * _distributed.world_size()  # same on every rank
+            raise AutobatchError(
+                f"{self.engine.name} runs a DistributedDataParallel model under torch.distributed; "
+                "pass retry_on_oom(optimizer=...) so that autobatch can average the gradients "
+                "once every rank has finished its backward"
+            )
+        self.checkpoint()
+
+    def _step(self, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return real(*args, **kwargs)
+        self.checkpoint()  # every rank has finished its backward
+        for module, _ in self.modules.values():
+            ignored: set[str] = set(getattr(module, "parameters_to_ignore", ()))
+            params = [
+                p for name, p in module.module.named_parameters()
+                if p.requires_grad and name not in ignored
+            ]
+            _distributed.average_gradients(params, module.process_group)
+        optimizer = self.engine.optimizer
+        assert optimizer is not None  # only patched onto the engine's optimizer
+        result: Any = None
+        pending = True
+        error: BaseException | None = None
+        for _ in range(STEP_TRIES):
+            code = _distributed.OK
+            if pending:
+                versions = sum(sum(map(_VERSION, g["params"])) for g in optimizer.param_groups)
+                first = not optimizer.state
+                try:
+                    result = real(*args, **kwargs)
+                    pending = False
+                except BaseException as exc:
+                    error = exc
+                    _strip_tracebacks(exc)
+                    unchanged = versions == sum(
+                        sum(map(_VERSION, g["params"])) for g in optimizer.param_groups
+                    )
+                    retry = is_oom_error(exc) and not isinstance(exc, AutobatchError)
+                    code = _distributed.OOM if retry and first and unchanged else _distributed.FAILED
+            codes = _distributed.vote(code)
+            if max(codes) == _distributed.OK:
+                return result
+            if max(codes) == _distributed.FAILED:
+                break
+            if code == _distributed.OOM:  # out of the except block: the failed step is gone
+                self.engine.tally.ooms += 1
+                optimizer.state.clear()  # every entry was made by the failed first step
+                error = None
+                free_memory(self.engine.device_of_optimizer())
+        self.settled = [_distributed.FAILED if c else _distributed.OK for c in codes]
+        if error is not None:
+            raise AutobatchError(
+                f"{self.engine.name}: optimizer.step() failed on this rank "
+                f"({type(error).__name__}) while the other ranks' steps went on; the ranks' "
+                "parameters may now differ, so every rank stops. Restore from a checkpoint"
+            ) from error
+        raise AutobatchError(
+            f"{self.engine.name}: optimizer.step() failed on rank "
+            f"{', '.join(str(r) for r, c in enumerate(codes) if c)} and could not be retried; "
+            "the ranks' parameters may now differ, so every rank stops. Restore from a checkpoint"
+        )
+
+
+# --------------------------------------------------------------------------------------------
 # The engine.
 
 
@@ -794,6 +972,23 @@ class _Engine:
         self.tally = _Tally()
         self.calls = 0
         self.warned_batchnorm = False
+        self.coordination: _Coordination | None = None
+
+    def coordinated(self) -> _Coordination | None:
+        """The agreement with the other ranks, under a process group (unless ``sync_ranks=False``)."""
+        if not (self.options.sync_ranks and _distributed.active()):
+            return None
+        if self.coordination is None:
+            self.coordination = _Coordination(self)
+        return self.coordination
+
+    def device_of_optimizer(self) -> DeviceLike:
+        """The device of the optimizer's first parameter (``None`` without one)."""
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    return cast(torch.Tensor, p).device
+        return None
 
     # Bookkeeping ------------------------------------------------------------------------------
 
@@ -891,6 +1086,8 @@ class _Engine:
 
     def _capture(self, exc: BaseException) -> _Failure | None:
         """Called inside ``except``: the failure to recover from, or ``None`` to re-raise."""
+        if isinstance(exc, _PeerFailed):
+            return _Failure(exc=exc, kind=str(exc), optimizer=None, ours=False)
         if isinstance(exc, AutobatchError) or not is_oom_error(exc):
             return None
         owner = _optimizer_in_traceback(exc)
@@ -962,6 +1159,7 @@ class _Engine:
         eps = max(elements_per_sample(batch), 1)
         memory = memory_for(self._device(batch))
         statistics = memory.has_statistics
+        coord = self.coordinated()
         pieces: list[tuple[int, Any]] = []
         done = 0
         clean = True
@@ -983,6 +1181,8 @@ class _Engine:
                     self._size_changed(*grown, "grow", guard)
             while done < total:
                 n = self.sizes.piece(key, eps, total - done, _room(memory))
+                if coord is not None and self.sizes.pressure:
+                    n = coord.piece(n, total - done)
                 if n < total:
                     self._warn_batchnorm()
                     if session is None and self.policy == "accumulate":
@@ -1001,13 +1201,21 @@ class _Engine:
                     baseline = memory.allocated_bytes()
                 failure = None
                 try:
-                    with phases:
+                    with phases, coord.attempt() if coord is not None else contextlib.nullcontext():
                         result = self.fn(*piece_args, **piece_kwargs)
                 except BaseException as exc:
                     failure = self._capture(exc)
                     if failure is None:
+                        if coord is not None:
+                            coord.finish(_distributed.FAILED)
                         raise
                 del piece_args, piece_kwargs
+                if coord is not None:
+                    codes = coord.finish(_distributed.OK if failure is None else _distributed.OOM)
+                    if max(codes) == _distributed.FAILED:
+                        raise _peer_error(codes, "in this step")
+                    if failure is None and max(codes) != _distributed.OK:
+                        failure = self._capture(_PeerFailed(codes))
                 if failure is None:
                     if statistics:  # the step's own memory does not grow with the piece
                         self.sizes.record(key, eps, n, phases.outside - baseline)
@@ -1019,11 +1227,16 @@ class _Engine:
                     continue
                 clean = False
                 lost = n
-                if session is not None and session.dirty:
+                dirty = session is not None and session.dirty
+                if coord is not None:
+                    dirty = coord.any(dirty)  # one rank's sum is spoilt: every rank starts over
+                if dirty:
                     lost += done  # this piece's gradients reached the sum: the batch starts over
                     pieces.clear()
                     done = 0
-                session = self._recover(failure, stamp, key, eps, n, lost, memory, session, guard)
+                session = self._recover(
+                    failure, stamp, key, eps, n, lost, memory, session, guard, restart=dirty
+                )
         finally:
             if session is not None:
                 session.close()
@@ -1043,9 +1256,12 @@ class _Engine:
         memory: DeviceMemory,
         session: _Accumulation | None,
         guard: oom_guard[Any] | None,
+        *,
+        restart: bool = False,
     ) -> _Accumulation | None:
         """After an OOM at ``failed`` rows: check the optimizer, clean up, free memory, and pick a
-        smaller size. ``lost`` samples are redone. Returns the accumulation to continue with."""
+        smaller size. ``lost`` samples are redone; ``restart``: the batch starts over. Returns the
+        accumulation to continue with. Under a process group every rank takes the same size."""
         self.tally.ooms += 1
         self.tally.samples_recomputed += lost
         if guard is not None:
@@ -1055,13 +1271,25 @@ class _Engine:
             if session is None:  # a whole-batch attempt: its gradients may be partly summed
                 session = self._accumulation()
                 session.restart()
-            elif session.dirty:
+            elif restart or session.dirty:
                 session.restart()
         if self.options.scaler is not None and self.optimizer is not None:
             _reset_scaler(self.options.scaler, self.optimizer)
         free_memory(memory.device)
+        coord = self.coordinated()
         try:
-            old, new, reason = self.sizes.after_oom(key, eps, failed, _room(memory))
+            try:
+                old, new, reason = self.sizes.after_oom(key, eps, failed, _room(memory))
+            except _TooSmall:
+                if coord is not None:
+                    coord.piece(0, failed)  # tell the others: no smaller size is allowed here
+                raise
+            if coord is not None:
+                agreed = coord.piece(new, failed)
+                if agreed == 0:
+                    raise _TooSmall
+                if agreed != new:
+                    self.sizes.states[key].limit = new = agreed
         except _TooSmall:
             needed: int | None = None
             found = self.sizes.model(key)
@@ -1129,6 +1357,9 @@ class _Engine:
             if grown is not None:
                 self._size_changed(*grown, "grow", _ACTIVE_GUARD.get())
         n = self.sizes.piece(key, eps, total - done, _room(memory))
+        coord = self.coordinated()
+        if coord is not None:
+            n = coord.piece(n, total - done)
         if n < total:
             self._warn_batchnorm()
         return n
@@ -1163,7 +1394,8 @@ class RetryingStep(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         engine = self._engine
-        if engine.sizes.states:  # memory ran short before: pieces, measured
+        if engine.sizes.states or engine.coordinated() is not None:
+            # memory ran short before (pieces, measured), or every step is agreed by all ranks
             return cast(R, engine.call(args, kwargs))
         stamp = engine._stamp()  # the fast path: a try, and the parameters' version counters
         try:
@@ -1226,6 +1458,7 @@ def retry_on_oom(
     model: nn.Module | None = None,
     device: DeviceLike = None,
     headroom: float = 0.1,
+    sync_ranks: bool = True,
 ) -> Callable[[Callable[P, R]], RetryingStep[P, R]]: ...
 
 
@@ -1243,6 +1476,7 @@ def retry_on_oom(
     model: nn.Module | None = None,
     device: DeviceLike = None,
     headroom: float = 0.1,
+    sync_ranks: bool = True,
 ) -> RetryingStep[P, R] | Callable[[Callable[P, R]], RetryingStep[P, R]]:
     """Make a step function survive CUDA out-of-memory by running its batch in smaller pieces.
 
@@ -1287,6 +1521,11 @@ def retry_on_oom(
             refers to by name).
         device: where memory is measured; default the device of the batch's first tensor.
         headroom: the fraction of the memory model's largest size left unused.
+        sync_ranks: under an initialised ``torch.distributed`` process group, keep every rank in
+            lockstep: an OOM on one rank makes every rank retry the same batch with the same
+            micro-batch size, and ``DistributedDataParallel`` gradients are averaged once per
+            optimizer step after all ranks finished their backward (see :class:`_Coordination`
+            in the source for the protocol). ``False`` for independent per-rank jobs.
     """
     options = RecoveryOptions(
         optimizer=optimizer,
@@ -1299,6 +1538,7 @@ def retry_on_oom(
         model=model,
         device=device,
         headroom=headroom,
+        sync_ranks=sync_ranks,
     )
 
     def decorate(step: Callable[P, R]) -> RetryingStep[P, R]:

@@ -20,7 +20,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world: int, port: int, out: str, args: tuple[Any, ...],
+    pg_timeout: float,
+) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     import datetime
@@ -28,7 +31,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
     result = fn(rank, *args)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     # Every rank reaches the barrier before any tears gloo down: a rank that leaves early can
@@ -37,13 +40,17 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, out: str, a
     dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout: float = 90) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, tmp: Path, *args: Any, timeout: float = 90,
+    pg_timeout: float = 60,
+) -> list[Any]:
     """Runs ``fn(rank, *args)`` on ``world`` gloo ranks; returns each rank's JSON result.
 
-    Fails (never hangs) when the ranks do not finish within ``timeout`` seconds.
+    Fails (never hangs) when the ranks do not finish within ``timeout`` seconds; ``pg_timeout``
+    is the process group's own timeout.
     """
     context = mp.start_processes(
-        _entry, args=(fn, world, _free_port(), str(tmp), args), nprocs=world,
+        _entry, args=(fn, world, _free_port(), str(tmp), args, pg_timeout), nprocs=world,
         join=False, start_method="spawn",
     )
     deadline = time.monotonic() + timeout

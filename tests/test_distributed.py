@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -87,3 +88,145 @@ def test_torchrun_example_agrees_on_every_rank() -> None:
                             run.stdout))
     assert sorted(found) == ["0", "1"], run.stdout
     assert found["0"] == found["1"]
+
+
+# The guard and the decorator under DistributedDataParallel ------------------------------------
+
+STEPS = 4
+
+
+def _train_ddp(rank: int, fault: str | None, at_call: int = 0, policy: str = "accumulate") -> dict[str, Any]:
+    """Train a DDP MLP for a few steps; ``fault``: an OOM injected on rank 1 only at call
+    ``at_call`` (``"forward"``, ``"backward"``, ``"optimizer"``; ``"plain"``: no autobatch)."""
+    from contextlib import nullcontext
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autobatch.testing import inject_oom
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(WORKLOADS["mlp"].model())
+    # SGD with momentum: state made by the first step, and linear in the gradients, so that
+    # micro-batches change the result only by rounding
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = [
+        (torch.randn(16, 128, generator=generator), torch.randint(0, 10, (16,), generator=generator))
+        for _ in range(STEPS)
+    ]
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, labels = batch
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(inputs), labels)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    calls = 0
+    ooms = 0
+    error = None
+    if fault == "plain":
+        for batch in batches:
+            step(batch)
+    else:
+        guarded = autobatch.retry_on_oom(step, optimizer=opt, policy=policy)  # type: ignore[call-overload]
+
+        def one(batch: Any) -> None:
+            nonlocal calls
+            inject = fault is not None and rank == 1 and calls == at_call
+            with inject_oom(phase=fault) if inject else nullcontext():
+                guarded(batch)
+            calls += 1
+
+        try:
+            with autobatch.oom_guard(batches) as guard:
+                for batch in guard:
+                    one(batch)
+        except autobatch.AutobatchError as exc:
+            error = str(exc)
+        ooms = guarded.stats.ooms
+    return {
+        "params": [p.detach().flatten().tolist() for p in model.parameters()],
+        "ooms": ooms,
+        "error": error,
+    }
+
+
+def _ddp_runs(rank: int) -> dict[str, Any]:
+    out = {name: _train_ddp(rank, None if name == "none" else name)
+           for name in ("plain", "none", "forward", "backward", "optimizer")}
+    out["shrink"] = _train_ddp(rank, "forward", policy="shrink")
+    out["late step"] = _train_ddp(rank, "optimizer", at_call=1)
+    return out
+
+
+def _flat(params: list[list[float]]) -> torch.Tensor:
+    return torch.cat([torch.tensor(p) for p in params])
+
+
+def test_ddp_guard_recovers_from_an_oom_on_one_rank_in_every_phase(tmp_path: Path) -> None:
+    ranks = run_ranks(_ddp_runs, 2, tmp_path, timeout=90)
+    reference = _flat(ranks[0]["plain"]["params"])
+    assert ranks[0]["plain"]["params"] == ranks[1]["plain"]["params"]
+    for name in ("none", "forward", "backward", "optimizer", "shrink"):
+        zero, one = ranks[0][name], ranks[1][name]
+        assert zero["error"] is None, name
+        assert one["error"] is None, name
+        assert zero["params"] == one["params"], f"{name}: the ranks' parameters differ"
+        assert one["ooms"] == (0 if name == "none" else 1), name
+        if name != "shrink":  # the same math as the uninterrupted DDP run
+            got = _flat(zero["params"])
+            torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6, msg=name)
+    # An OOM inside a later optimizer.step may have half-updated rank 1: both ranks stop, clearly.
+    late = [ranks[r]["late step"]["error"] for r in (0, 1)]
+    assert all(e is not None and "optimizer.step() failed" in e for e in late), late
+
+
+def _guarded_failures(rank: int, case: str) -> dict[str, Any]:
+    import time
+
+    from autobatch.testing import inject_oom
+
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @autobatch.retry_on_oom(optimizer=opt, sync_ranks=case != "independent")
+    def step(batch: torch.Tensor) -> None:
+        if case == "crash" and rank == 1:
+            raise ValueError("bug on rank 1")
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+        opt.step()
+
+    if case == "straggler" and rank == 1:
+        time.sleep(7)  # never takes the step: rank 0 must give up after the group's timeout
+        return {"error": None, "seconds": 0.0}
+    start = time.monotonic()
+    batch = torch.randn(8, 8)
+    try:
+        with inject_oom(phase="forward") if rank == 1 else contextlib.nullcontext():
+            step(batch)
+        step(batch)
+    except (ValueError, autobatch.AutobatchError) as error:
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    return {"error": None, "ooms": step.stats.ooms, "micro": step.stats.micro_batch_size}
+
+
+def test_guarded_step_error_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    zero, one = run_ranks(_guarded_failures, 2, tmp_path, "crash", timeout=60)
+    assert one["error"] == "ValueError: bug on rank 1"
+    assert zero["error"].startswith("AutobatchError: rank 1 failed"), zero
+
+
+def test_guarded_step_gives_up_after_the_group_timeout_instead_of_hanging(tmp_path: Path) -> None:
+    zero, _ = run_ranks(_guarded_failures, 2, tmp_path, "straggler", timeout=60, pg_timeout=4)
+    assert zero["error"].startswith("AutobatchError: rank 0: the other ranks did not reach"), zero
+    assert zero["seconds"] < 10
+
+
+def test_independent_ranks_recover_alone(tmp_path: Path) -> None:
+    zero, one = run_ranks(_guarded_failures, 2, tmp_path, "independent", timeout=60)
+    assert (zero["ooms"], zero["micro"]) == (0, None)  # rank 0 never split its batches
+    assert one["ooms"] == 1
+    assert one["micro"] is not None
