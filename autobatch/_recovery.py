@@ -7,8 +7,9 @@ are thin front-ends over :class:`_Engine`, which runs a step on pieces of its ba
    ``try`` and, with ``optimizer=``, a sum of the parameters' version counters).
 2. On an OOM (:func:`autobatch.is_oom_error`) the engine keeps only the exception without its
    traceback, leaves the ``except`` block, calls :func:`autobatch.free_memory`, decides a smaller
-   piece size (:meth:`_Sizes.after_oom`, the one place a future distributed agreement goes) and
-   runs the batch again in pieces. It never retries inside the ``except`` block.
+   piece size (:meth:`_Sizes.after_oom`; under torch.distributed every rank takes the smallest
+   any rank chose, see :class:`_Coordination`) and runs the batch again in pieces. It never
+   retries inside the ``except`` block.
 3. Piece sizes are remembered per decorated function and per :func:`~autobatch._batch.shape_key`
    (an eval step has its own sizes). A batch whose rows have another shape starts from the size
    predicted for its elements per sample, so a longer sequence costs at most one retry and a
@@ -827,16 +828,32 @@ class _Coordination:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not isinstance(module, DistributedDataParallel):
             return
-        if id(module) not in self.modules:
-            self.modules[id(module)] = (module, module.require_backward_grad_sync)
-        module.require_backward_grad_sync = False  # gradients are averaged at optimizer.step()
-        if self.engine.optimizer is None:
-            self.settled = [_distributed.FAILED] * _distributed.world_size()  # same on every rank
-            raise AutobatchError(
+        unsupported = [
+            what for what, present in (
+                ("static_graph=True", getattr(module, "static_graph", False)),
+                ("a communication hook", getattr(module, "_comm_hooks", None)),
+            ) if present
+        ]
+        problem = None
+        if unsupported:
+            problem = (
+                f"{self.engine.name}: this DistributedDataParallel module has "
+                f"{' and '.join(unsupported)}, which autobatch's once-per-step gradient averaging "
+                "would bypass; use retry_on_oom(sync_ranks=False), or drop that option"
+            )
+        elif self.engine.optimizer is None:
+            problem = (
                 f"{self.engine.name} runs a DistributedDataParallel model under torch.distributed; "
                 "pass retry_on_oom(optimizer=...) so that autobatch can average the gradients "
                 "once every rank has finished its backward"
             )
+        if problem is not None:
+            if self.settled is None:
+                self._vote(_distributed.FAILED)  # the others stop at their next vote
+            raise AutobatchError(problem)
+        if id(module) not in self.modules:
+            self.modules[id(module)] = (module, module.require_backward_grad_sync)
+        module.require_backward_grad_sync = False  # gradients are averaged at optimizer.step()
         self.checkpoint()
 
     def _step(self, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -1524,8 +1541,8 @@ def retry_on_oom(
         sync_ranks: under an initialised ``torch.distributed`` process group, keep every rank in
             lockstep: an OOM on one rank makes every rank retry the same batch with the same
             micro-batch size, and ``DistributedDataParallel`` gradients are averaged once per
-            optimizer step after all ranks finished their backward (see :class:`_Coordination`
-            in the source for the protocol). ``False`` for independent per-rank jobs.
+            optimizer step after all ranks finished their backward (README, "Multiple GPUs").
+            ``False`` for independent per-rank jobs.
     """
     options = RecoveryOptions(
         optimizer=optimizer,

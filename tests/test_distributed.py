@@ -75,18 +75,31 @@ def test_single_process_without_group_is_unaffected() -> None:
     assert autobatch._distributed.failed_ranks(True) == [0]
 
 
-def test_torchrun_example_agrees_on_every_rank() -> None:
+def _torchrun(example: str) -> str:
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         str(root / "examples" / "find_batch_torchrun.py")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(root / "examples" / example)],
         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+def test_torchrun_guard_example_ends_with_the_same_parameters_on_every_rank() -> None:
+    stdout = _torchrun("train_ddp_torchrun.py")
+    found = dict(re.findall(r"rank (\d): (6 steps, 1 OOM, micro-batch \d+, parameter checksum -?\d+\.\d{10})",
+                            stdout))
+    assert sorted(found) == ["0", "1"], stdout
+    assert found["0"] == found["1"]
+
+
+def test_torchrun_example_agrees_on_every_rank() -> None:
+    stdout = _torchrun("find_batch_torchrun.py")
     # (two processes share the pipe: their lines may run together, so match, don't split)
     found = dict(re.findall(r"rank (\d): (batch size \d+ \(largest that fits on every rank: \d+\))",
-                            run.stdout))
-    assert sorted(found) == ["0", "1"], run.stdout
+                            stdout))
+    assert sorted(found) == ["0", "1"], stdout
     assert found["0"] == found["1"]
 
 
@@ -186,9 +199,13 @@ def test_ddp_guard_recovers_from_an_oom_on_one_rank_in_every_phase(tmp_path: Pat
 def _guarded_failures(rank: int, case: str) -> dict[str, Any]:
     import time
 
+    from torch.nn.parallel import DistributedDataParallel
+
     from autobatch.testing import inject_oom
 
-    model = nn.Linear(8, 2)
+    model: nn.Module = nn.Linear(8, 2)
+    if case == "static graph":
+        model = DistributedDataParallel(model, static_graph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     @autobatch.retry_on_oom(optimizer=opt, sync_ranks=case != "independent")
@@ -205,7 +222,7 @@ def _guarded_failures(rank: int, case: str) -> dict[str, Any]:
     start = time.monotonic()
     batch = torch.randn(8, 8)
     try:
-        with inject_oom(phase="forward") if rank == 1 else contextlib.nullcontext():
+        with inject_oom(phase="forward") if rank == 1 and case != "static graph" else contextlib.nullcontext():
             step(batch)
         step(batch)
     except (ValueError, autobatch.AutobatchError) as error:
@@ -217,6 +234,13 @@ def test_guarded_step_error_on_one_rank_stops_every_rank(tmp_path: Path) -> None
     zero, one = run_ranks(_guarded_failures, 2, tmp_path, "crash", timeout=60)
     assert one["error"] == "ValueError: bug on rank 1"
     assert zero["error"].startswith("AutobatchError: rank 1 failed"), zero
+
+
+def test_ddp_options_autobatch_would_bypass_are_refused_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(_guarded_failures, 2, tmp_path, "static graph", timeout=60)
+    for result in results:
+        assert "static_graph=True" in result["error"], result
+        assert "sync_ranks=False" in result["error"], result
 
 
 def test_guarded_step_gives_up_after_the_group_timeout_instead_of_hanging(tmp_path: Path) -> None:
