@@ -107,15 +107,18 @@ def side_group() -> dist.ProcessGroup:
     return group
 
 
-def vote(code: int) -> list[int]:
-    """Every rank's code (:data:`OK`, :data:`OOM`, :data:`FAILED`), by rank, agreed on the side
-    group. Raises :class:`~autobatch.AutobatchError` when the ranks do not all answer within
-    the process group's timeout (a rank stuck elsewhere) instead of waiting forever."""
+def vote(code: int, flag: bool = False) -> tuple[list[int], bool]:
+    """Every rank's code (:data:`OK`, :data:`OOM`, :data:`FAILED`), by rank, and whether
+    ``flag`` holds on some rank, agreed on the side group (every vote has this one shape, so
+    votes from different points of the step always match). Raises
+    :class:`~autobatch.AutobatchError` when the ranks do not all answer within the process group's
+    timeout (a rank stuck elsewhere) instead of waiting forever."""
     world = dist.get_world_size()
-    codes = [0] * world
-    codes[rank()] = code
+    values = [0] * (world + 1)
+    values[rank()] = code
+    values[world] = int(flag)
     with _disable_current_modes():
-        tensor = torch.tensor(codes, dtype=torch.int64)
+        tensor = torch.tensor(values, dtype=torch.int64)
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=side_group())
         except RuntimeError as error:
@@ -123,6 +126,15 @@ def vote(code: int) -> list[int]:
                 f"rank {rank()}: the other ranks did not reach the same point of the step within "
                 f"the process group's timeout ({error}); a rank is stuck or has died"
             ) from error
+        agreed = [int(v) for v in tensor.tolist()]
+        return agreed[:world], bool(agreed[world])
+
+
+def agree_max(values: list[int]) -> list[int]:
+    """Element-wise maximum over ranks, on the side group."""
+    with _disable_current_modes():
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=side_group())
         return [int(v) for v in tensor.tolist()]
 
 
@@ -134,27 +146,76 @@ def agree_min(values: list[int]) -> list[int]:
         return [int(v) for v in tensor.tolist()]
 
 
-def average_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Average ``params``' gradients over the ranks of ``group``, in place, as DDP's default
-    reduction does (divide by the group size, then sum). A parameter without a gradient counts
-    as zeros; one without a gradient on every rank keeps ``None``.
+#: The largest staging buffer for averaging gradients (DDP's default bucket size).
+BUCKET_BYTES = 25 * 2**20
 
-    Every rank must pass the same parameters in the same order. No memory is allocated beyond a
-    zero gradient for a parameter that has none here but has one on another rank.
+
+class GradientAverage:
+    """Average parameters' gradients over a process group in place, as DDP's default reduction
+    does (divide by the group size, then sum), in few collectives.
+
+    Made before the ranks agree to go on, so that the staging buffers (at most
+    :data:`BUCKET_BYTES` per dtype and device) are allocated where an OOM can still be recovered;
+    :meth:`run` then allocates nothing (except a zero gradient for a parameter that has none here
+    but has one on another rank). Every rank must pass the same parameters in the same order.
     """
-    with _disable_current_modes():
-        present = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int64)
-        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=side_group())
-        size = dist.get_world_size(group)
-        works = []
-        for p, used in zip(params, present.tolist(), strict=True):
+
+    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+        self.params = params
+        self.group = group
+        self.present = [int(p.grad is not None) for p in params]
+        self.staging: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        with _disable_current_modes():
+            needed: dict[tuple[torch.dtype, torch.device], int] = {}
+            for p in params:
+                key = (p.dtype, p.device)
+                needed[key] = needed.get(key, 0) + p.numel()
+        for (dtype, device), count in needed.items():
+            limit = max(BUCKET_BYTES // torch.empty((), dtype=dtype).element_size(), 1)
+            self.staging[(dtype, device)] = torch.empty(min(count, limit), dtype=dtype, device=device)
+
+    def run(self, present: list[int]) -> None:
+        """Average every gradient present on some rank (``present``: the agreed flags)."""
+        size = dist.get_world_size(self.group)
+        pending: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, int, int]]] = {}
+        filled = dict.fromkeys(self.staging, 0)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p, used in zip(self.params, present, strict=True):
             if not used:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = p.grad
-            grad.div_(size)
-            works.append(dist.all_reduce(grad, group=group, async_op=True))
-        for work in works:
-            assert work is not None
-            work.wait()
+            # (a gradient in another memory format is averaged through a contiguous copy, so that
+            # every rank sends its elements in the same order)
+            flat = grad.view(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+            if not grad.is_contiguous():
+                copies.append((grad, flat))
+            key = (p.dtype, p.device)
+            buffer = self.staging[key]
+            start = 0
+            while start < flat.numel():
+                if filled[key] == buffer.numel():
+                    self._flush(buffer, filled[key], pending.pop(key), size)
+                    filled[key] = 0
+                length = min(flat.numel() - start, buffer.numel() - filled[key])
+                at = filled[key]
+                buffer[at : at + length].copy_(flat[start : start + length])
+                pending.setdefault(key, []).append((flat[start : start + length], at, length))
+                filled[key] += length
+                start += length
+        for key, segments in pending.items():
+            self._flush(self.staging[key], filled[key], segments, size)
+        for grad, flat in copies:
+            grad.copy_(flat.view(grad.shape))
+        self.staging.clear()
+
+    def _flush(
+        self, buffer: torch.Tensor, used: int, segments: list[tuple[torch.Tensor, int, int]], size: int
+    ) -> None:
+        chunk = buffer[:used]
+        chunk.div_(size)
+        with _disable_current_modes():
+            dist.all_reduce(chunk, group=self.group)
+        for target, at, length in segments:
+            target.copy_(buffer[at : at + length])

@@ -772,18 +772,25 @@ class _Coordination:
     # Votes ------------------------------------------------------------------------------------
 
     def _vote(self, code: int) -> list[int]:
-        codes = _distributed.vote(code)
+        codes, _ = _distributed.vote(code)
         if max(codes) != _distributed.OK:
             self.settled = codes
         return codes
 
-    def checkpoint(self) -> None:
-        """An agreement point inside the step: go on only if no rank has failed."""
-        codes = self.settled if self.settled is not None else self._vote(_distributed.OK)
+    def checkpoint(self, missing: bool = False) -> bool:
+        """An agreement point inside the step: go on only if no rank has failed. Returns whether
+        ``missing`` holds on some rank."""
+        if self.settled is not None:
+            codes = self.settled
+        else:
+            codes, missing = _distributed.vote(_distributed.OK, missing)
+            if max(codes) != _distributed.OK:
+                self.settled = codes
         if max(codes) == _distributed.FAILED:
             raise _peer_error(codes, "during this step")
         if max(codes) != _distributed.OK:
             raise _PeerFailed(codes)
+        return missing
 
     def finish(self, code: int) -> list[int]:
         """The attempt's verdict: every rank's code (one vote, unless one already saw a failure)."""
@@ -828,6 +835,7 @@ class _Coordination:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not isinstance(module, DistributedDataParallel):
             return
+        first = id(module) not in self.modules
         unsupported = [
             what for what, present in (
                 ("static_graph=True", getattr(module, "static_graph", False)),
@@ -851,22 +859,29 @@ class _Coordination:
             if self.settled is None:
                 self._vote(_distributed.FAILED)  # the others stop at their next vote
             raise AutobatchError(problem)
-        if id(module) not in self.modules:
+        if first:
             self.modules[id(module)] = (module, module.require_backward_grad_sync)
         module.require_backward_grad_sync = False  # gradients are averaged at optimizer.step()
-        self.checkpoint()
+        if module.broadcast_buffers and any(True for _ in module.module.buffers()):
+            self.checkpoint()  # DDP's forward begins with a collective (the buffers' broadcast)
 
     def _step(self, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return real(*args, **kwargs)
-        self.checkpoint()  # every rank has finished its backward
+        averages = []  # staging buffers first: an OOM here is still an ordinary, agreed one
         for module, _ in self.modules.values():
             ignored: set[str] = set(getattr(module, "parameters_to_ignore", ()))
             params = [
                 p for name, p in module.module.named_parameters()
                 if p.requires_grad and name not in ignored
             ]
-            _distributed.average_gradients(params, module.process_group)
+            averages.append(_distributed.GradientAverage(params, module.process_group))
+        present = [f for a in averages for f in a.present]
+        if self.checkpoint(missing=not all(present)):  # every rank has finished its backward
+            present = _distributed.agree_max(present)  # some gradient is None on some rank
+        for average in averages:
+            average.run(present[: len(average.params)])
+            present = present[len(average.params) :]
         optimizer = self.engine.optimizer
         assert optimizer is not None  # only patched onto the engine's optimizer
         result: Any = None
@@ -888,7 +903,7 @@ class _Coordination:
                     )
                     retry = is_oom_error(exc) and not isinstance(exc, AutobatchError)
                     code = _distributed.OOM if retry and first and unchanged else _distributed.FAILED
-            codes = _distributed.vote(code)
+            codes, _ = _distributed.vote(code)
             if max(codes) == _distributed.OK:
                 return result
             if max(codes) == _distributed.FAILED:
@@ -1283,8 +1298,15 @@ class _Engine:
         self.tally.samples_recomputed += lost
         if guard is not None:
             guard._oom(lost)
-        self._check_optimizer(failure, stamp)
-        if self.policy == "accumulate":
+        coord = self.coordinated()
+        problem: AutobatchError | None = None
+        try:
+            self._check_optimizer(failure, stamp)
+        except AutobatchError as error:
+            if coord is None:
+                raise
+            problem = error  # raised once the other ranks know
+        if self.policy == "accumulate" and problem is None:
             if session is None:  # a whole-batch attempt: its gradients may be partly summed
                 session = self._accumulation()
                 session.restart()
@@ -1293,20 +1315,27 @@ class _Engine:
         if self.options.scaler is not None and self.optimizer is not None:
             _reset_scaler(self.options.scaler, self.optimizer)
         free_memory(memory.device)
-        coord = self.coordinated()
         try:
-            try:
-                old, new, reason = self.sizes.after_oom(key, eps, failed, _room(memory))
-            except _TooSmall:
-                if coord is not None:
-                    coord.piece(0, failed)  # tell the others: no smaller size is allowed here
-                raise
+            too_small = problem is not None
+            if problem is None:
+                try:
+                    old, new, reason = self.sizes.after_oom(key, eps, failed, _room(memory))
+                except _TooSmall:
+                    too_small = True
             if coord is not None:
-                agreed = coord.piece(new, failed)
-                if agreed == 0:
-                    raise _TooSmall
-                if agreed != new:
+                # One decision for every rank: -1 someone cannot go on, 0 too small, else the
+                # smallest size any rank chose.
+                agreed = coord.piece(-1 if problem else 0 if too_small else new, failed)
+                if agreed < 0:
+                    raise problem or AutobatchError(
+                        f"{self.name}: another rank cannot recover from this step's failure "
+                        f"({failure.kind}); see that rank's error. Every rank stops here"
+                    ) from failure.exc
+                too_small = agreed == 0
+                if not too_small and agreed != new:
                     self.sizes.states[key].limit = new = agreed
+            if too_small:
+                raise _TooSmall
         except _TooSmall:
             needed: int | None = None
             found = self.sizes.model(key)
