@@ -220,7 +220,7 @@ def _guarded_failures(rank: int, case: str) -> dict[str, Any]:
         time.sleep(7)  # never takes the step: rank 0 must give up after the group's timeout
         return {"error": None, "seconds": 0.0}
     start = time.monotonic()
-    batch = torch.randn(8, 8)
+    batch = torch.randn(8 - 2 * rank if case == "unequal" else 8, 8)
     try:
         with inject_oom(phase="forward") if rank == 1 and case != "static graph" else contextlib.nullcontext():
             step(batch)
@@ -241,6 +241,12 @@ def test_ddp_options_autobatch_would_bypass_are_refused_on_every_rank(tmp_path: 
     for result in results:
         assert "static_graph=True" in result["error"], result
         assert "sync_ranks=False" in result["error"], result
+
+
+def test_unequal_batches_under_memory_pressure_stop_every_rank_clearly(tmp_path: Path) -> None:
+    results = run_ranks(_guarded_failures, 2, tmp_path, "unequal", timeout=60)
+    for result in results:
+        assert "the ranks' batches differ in size (6 to 8 rows)" in result["error"], result
 
 
 def test_guarded_step_gives_up_after_the_group_timeout_instead_of_hanging(tmp_path: Path) -> None:
