@@ -746,6 +746,18 @@ def _peer_error(codes: list[int], where: str) -> AutobatchError:
     )
 
 
+_SHARDED: dict[type, bool] = {}
+
+
+def _is_sharded(cls: type) -> bool:
+    """Whether a module class is FSDP (the wrapper, or a module made by ``fully_shard``)."""
+    found = _SHARDED.get(cls)
+    if found is None:
+        names = ("FullyShardedDataParallel", "FSDPModule")
+        found = _SHARDED[cls] = any(c.__name__ in names for c in cls.__mro__)
+    return found
+
+
 class _Coordination:
     """Keeps the ranks of a process group in lockstep through an engine's attempts.
 
@@ -833,6 +845,15 @@ class _Coordination:
             self.modules.clear()
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if _is_sharded(type(module)):
+            if self.settled is None:
+                self._vote(_distributed.FAILED)
+            raise AutobatchError(
+                f"{self.engine.name} runs an FSDP module: its forward and backward gather and "
+                "scatter parameters with collectives that a rank which ran out of memory would "
+                "never join, so autobatch cannot keep the ranks in step. Use "
+                "retry_on_oom(sync_ranks=False) only where ranks are independent"
+            )
         if not isinstance(module, DistributedDataParallel):
             return
         first = id(module) not in self.modules

@@ -206,6 +206,10 @@ def _guarded_failures(rank: int, case: str) -> dict[str, Any]:
     model: nn.Module = nn.Linear(8, 2)
     if case == "static graph":
         model = DistributedDataParallel(model, static_graph=True)
+    if case == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     @autobatch.retry_on_oom(optimizer=opt, sync_ranks=case != "independent")
@@ -222,7 +226,7 @@ def _guarded_failures(rank: int, case: str) -> dict[str, Any]:
     start = time.monotonic()
     batch = torch.randn(8 - 2 * rank if case == "unequal" else 8, 8)
     try:
-        with inject_oom(phase="forward") if rank == 1 and case != "static graph" else contextlib.nullcontext():
+        with inject_oom(phase="forward") if rank == 1 and case not in ("static graph", "fsdp") else contextlib.nullcontext():
             step(batch)
         step(batch)
     except (ValueError, autobatch.AutobatchError) as error:
@@ -241,6 +245,12 @@ def test_ddp_options_autobatch_would_bypass_are_refused_on_every_rank(tmp_path: 
     for result in results:
         assert "static_graph=True" in result["error"], result
         assert "sync_ranks=False" in result["error"], result
+
+
+def test_fsdp_is_refused_on_every_rank_rather_than_left_to_hang(tmp_path: Path) -> None:
+    results = run_ranks(_guarded_failures, 2, tmp_path, "fsdp", timeout=60)
+    for result in results:
+        assert "runs an FSDP module" in result["error"], result
 
 
 def test_unequal_batches_under_memory_pressure_stop_every_rank_clearly(tmp_path: Path) -> None:
