@@ -726,7 +726,7 @@ def _combine(pieces: list[tuple[int, Any]], total: int, reduction: Reduction) ->
 # --------------------------------------------------------------------------------------------
 # Agreement between ranks (torch.distributed).
 
-#: How often one rank's first ``optimizer.step()`` is retried after an OOM while the others wait.
+#: How often a first ``optimizer.step()`` that ran out of memory is tried under a process group.
 STEP_TRIES = 3
 
 
@@ -764,14 +764,16 @@ class _Coordination:
     Every attempt (one piece of a batch) ends with one vote on a side gloo group (OK, OOM or
     FAILED per rank), or earlier, at the first agreement point where some rank reports a
     failure: before every forward of a ``DistributedDataParallel`` module and at the start of
-    ``optimizer.step()``. The model's own collectives therefore never run while another rank has
-    already left the attempt. DDP's reducer is kept out of backward (``require_backward_grad_sync``
+    ``optimizer.step()`` (before the forward only where DDP broadcasts buffers there). The
+    model's own collectives therefore never run while another rank has already left the
+    attempt. DDP's reducer is kept out of backward (``require_backward_grad_sync``
     is off during attempts, as ``no_sync()`` does): once every rank has finished its backward
     (the vote at ``optimizer.step()``), the gradients are averaged over the ranks, once per
     optimizer step, exactly as DDP's default reduction does. An OOM inside a rank's first
     ``optimizer.step()`` (state being created, no parameter changed) is retried on that rank
-    alone, with the same averaged gradients, while the others wait; any other failure inside
-    the step stops every rank with :class:`~autobatch.AutobatchError`.
+    alone with the same averaged gradients, so the update is the same as the others'; any other
+    failure inside the step stops every rank with :class:`~autobatch.AutobatchError` at the
+    attempt's last vote.
     """
 
     def __init__(self, engine: _Engine) -> None:
@@ -905,47 +907,34 @@ class _Coordination:
             present = present[len(average.params) :]
         optimizer = self.engine.optimizer
         assert optimizer is not None  # only patched onto the engine's optimizer
-        result: Any = None
-        pending = True
         error: BaseException | None = None
         for _ in range(STEP_TRIES):
-            code = _distributed.OK
-            if pending:
-                versions = sum(sum(map(_VERSION, g["params"])) for g in optimizer.param_groups)
-                first = not optimizer.state
-                try:
-                    result = real(*args, **kwargs)
-                    pending = False
-                except BaseException as exc:
-                    error = exc
-                    _strip_tracebacks(exc)
-                    unchanged = versions == sum(
-                        sum(map(_VERSION, g["params"])) for g in optimizer.param_groups
-                    )
-                    retry = is_oom_error(exc) and not isinstance(exc, AutobatchError)
-                    code = _distributed.OOM if retry and first and unchanged else _distributed.FAILED
-            codes, _ = _distributed.vote(code)
-            if max(codes) == _distributed.OK:
-                return result
-            if max(codes) == _distributed.FAILED:
-                break
-            if code == _distributed.OOM:  # out of the except block: the failed step is gone
-                self.engine.tally.ooms += 1
-                optimizer.state.clear()  # every entry was made by the failed first step
-                error = None
-                free_memory(self.engine.device_of_optimizer())
-        self.settled = [_distributed.FAILED if c else _distributed.OK for c in codes]
-        if error is not None:
-            raise AutobatchError(
-                f"{self.engine.name}: optimizer.step() failed on this rank "
-                f"({type(error).__name__}) while the other ranks' steps went on; the ranks' "
-                "parameters may now differ, so every rank stops. Restore from a checkpoint"
-            ) from error
+            versions = sum(sum(map(_VERSION, g["params"])) for g in optimizer.param_groups)
+            first = not optimizer.state
+            try:
+                return real(*args, **kwargs)
+            except BaseException as exc:
+                _strip_tracebacks(exc)
+                unchanged = versions == sum(
+                    sum(map(_VERSION, g["params"])) for g in optimizer.param_groups
+                )
+                error = exc
+                retry = is_oom_error(exc) and not isinstance(exc, AutobatchError)
+                if not (retry and first and unchanged):
+                    break
+            # Out of the except block: the failed first step is gone. The other ranks learn
+            # nothing of this retry: the averaged gradients are the same, so is the update.
+            self.engine.tally.ooms += 1
+            optimizer.state.clear()  # every entry was made by the failed first step
+            error = None
+            free_memory(self.engine.device_of_optimizer())
         raise AutobatchError(
-            f"{self.engine.name}: optimizer.step() failed on rank "
-            f"{', '.join(str(r) for r, c in enumerate(codes) if c)} and could not be retried; "
-            "the ranks' parameters may now differ, so every rank stops. Restore from a checkpoint"
-        )
+            f"{self.engine.name}: optimizer.step() failed on this rank"
+            + ("" if error is None else f" ({type(error).__name__})")
+            + " after the gradients were averaged, and could not be retried; the other ranks' "
+            "steps may have gone on, so the ranks' parameters may now differ and every rank "
+            "stops. Restore from a checkpoint"
+        ) from error
 
 
 # --------------------------------------------------------------------------------------------

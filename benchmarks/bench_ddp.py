@@ -8,8 +8,8 @@ ways of running the step, and each way's time per step is the minimum over the r
   the side gloo group, and the gradients averaged once after backward;
 - autobatch, independent ranks (``sync_ranks=False``): DDP untouched, the decorator's fast path.
 
-Then an OOM is injected on rank 1 in the middle of training, and the table says whether both
-ranks ended with the same parameters as the run without it.
+Then an OOM is injected in backward on rank 1 in the middle of training, and the note says how
+far both ranks' parameters ended from the run without it.
 
     python benchmarks/bench_ddp.py            # about a minute on 2 cores
 """
@@ -40,10 +40,13 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_ddp.md"
 WAYS = ("DDP alone", "autobatch, ranks agreed", "autobatch, sync_ranks=False")
 
 
-def _setup(rank: int, width: int, batch: int, steps: int) -> tuple[Any, ...]:
+def _setup(rank: int, width: int, batch: int, steps: int, adam: bool = True) -> tuple[Any, ...]:
     torch.manual_seed(0)
     model = DistributedDataParallel(mlp(width=width, depth=4))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.Adam(model.parameters(), lr=1e-3) if adam
+        else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    )
     generator = torch.Generator().manual_seed(rank)
     batches = [
         (torch.randn(batch, 128, generator=generator),
@@ -79,10 +82,12 @@ def _worker(rank: int, port: int, out: str, width: int, batch: int, steps: int, 
             for data in batches:
                 run(data)
             best[way] = min(best[way], (time.perf_counter() - start) / steps)
-    # The same training with an OOM on rank 1 at the third step, against the one without.
+    # The same training with an OOM on rank 1 at the third step, against the one without (SGD
+    # with momentum: linear in the gradients, so micro-batches change it only by rounding, where
+    # Adam's first steps magnify rounding in near-zero gradients).
     outcome = {}
     for name, fault in (("clean", False), ("oom", True)):
-        model, optimizer, batches, step = _setup(rank, width, batch, steps)
+        model, optimizer, batches, step = _setup(rank, width, batch, steps, adam=False)
         guarded = autobatch.retry_on_oom(step, optimizer=optimizer)
         for index, data in enumerate(batches):
             inject = fault and rank == 1 and index == 2
@@ -90,7 +95,7 @@ def _worker(rank: int, port: int, out: str, width: int, batch: int, steps: int, 
                 guarded(data)
         outcome[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
         outcome[name + " ooms"] = guarded.stats.ooms
-    same = torch.allclose(outcome["clean"], outcome["oom"], rtol=1e-4, atol=1e-6)
+    same = float((outcome["clean"] - outcome["oom"]).abs().max())
     checksum = float(outcome["oom"].double().sum())
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "best": best, "same": same, "checksum": checksum, "ooms": outcome["oom ooms"],
@@ -139,8 +144,9 @@ def main() -> None:
     lines += [
         "",
         "An OOM injected in backward on rank 1 at the third step (ranks agreed): "
-        f"OOMs counted {[r['ooms'] for r in ranks]}; parameters equal to the run without it: "
-        f"{[r['same'] for r in ranks]}; the two ranks' parameter checksums "
+        f"OOMs counted {[r['ooms'] for r in ranks]}; largest parameter difference from the "
+        f"run without it (SGD with momentum) {max(r['same'] for r in ranks):.1e}; the two ranks' "
+        "parameter checksums "
         f"{'agree' if ranks[0]['checksum'] == ranks[1]['checksum'] else 'DIFFER'}.",
         "",
     ]
