@@ -763,24 +763,31 @@ class _Coordination:
 
     Every attempt (one piece of a batch) ends with one vote on a side gloo group (OK, OOM or
     FAILED per rank), or earlier, at the first agreement point where some rank reports a
-    failure: before every forward of a ``DistributedDataParallel`` module and at the start of
-    ``optimizer.step()`` (before the forward only where DDP broadcasts buffers there). The
-    model's own collectives therefore never run while another rank has already left the
-    attempt. DDP's reducer is kept out of backward (``require_backward_grad_sync``
-    is off during attempts, as ``no_sync()`` does): once every rank has finished its backward
-    (the vote at ``optimizer.step()``), the gradients are averaged over the ranks, once per
-    optimizer step, exactly as DDP's default reduction does. An OOM inside a rank's first
-    ``optimizer.step()`` (state being created, no parameter changed) is retried on that rank
-    alone with the same averaged gradients, so the update is the same as the others'; any other
-    failure inside the step stops every rank with :class:`~autobatch.AutobatchError` at the
-    attempt's last vote.
+    failure: at the end of the backward that follows a ``DistributedDataParallel`` forward (and
+    before that forward where DDP broadcasts buffers in it). The model's own collectives
+    therefore never run while another rank has already left the attempt.
+
+    DDP's reducer is kept out of backward (``require_backward_grad_sync`` is off during attempts,
+    as ``no_sync()`` does). At the end of the backward of a batch's last piece, once every rank
+    has voted that its backward finished, the gradients are averaged over the ranks exactly as
+    DDP's default reduction does, so that code between ``backward()`` and ``optimizer.step()``
+    (unscaling, clipping, GradScaler's inf check) sees the same gradients as under DDP. An OOM
+    inside a rank's first ``optimizer.step()`` (state being created, no parameter changed) is
+    retried on that rank alone with the same averaged gradients, so the update is the same as
+    the others'; any other failure stops every rank with :class:`~autobatch.AutobatchError` at
+    the attempt's last vote.
     """
 
     def __init__(self, engine: _Engine) -> None:
         self.engine = engine
         self.active = False
+        self.last = True  # the attempt's piece ends the batch (its backward is averaged)
+        self.session: _Accumulation | None = None
         self.settled: list[int] | None = None  # the vote of this attempt that saw a failure
         self.modules: dict[int, tuple[DistributedDataParallel, bool]] = {}
+        self.armed = False  # a DDP forward ran: average at the end of the next backward
+        self.queued = False
+        self.hooked: set[int] = set()  # DDP modules whose parameters carry our gradient hook
         self.patched: _Patch | None = None
 
     # Votes ------------------------------------------------------------------------------------
@@ -828,29 +835,29 @@ class _Coordination:
     # One attempt ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def attempt(self) -> Iterator[None]:
-        """Run one attempt in lockstep with the other ranks."""
+    def attempt(self, *, last: bool, session: _Accumulation | None) -> Iterator[None]:
+        """Run one attempt in lockstep with the other ranks; ``last``: its piece ends the batch."""
         optimizer = self.engine.optimizer
         if optimizer is not None and self.patched is None:
             real = optimizer.step
             self.patched = _Patch(optimizer, "step", functools.partial(self._step, real))
         self.settled = None
-        self.active = True
+        self.active, self.last, self.session = True, last, session
+        self.armed = self.queued = False
         hook = register_module_forward_pre_hook(self._before_forward)
         try:
             yield
         finally:
             hook.remove()
-            self.active = False
+            self.active = self.armed = self.queued = False
+            self.session = None
             for module, flag in self.modules.values():
                 module.require_backward_grad_sync = flag
             self.modules.clear()
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if _is_sharded(type(module)):
-            if self.settled is None:
-                self._vote(_distributed.FAILED)
-            raise AutobatchError(
+            self._refuse(
                 f"{self.engine.name} runs an FSDP module: its forward and backward gather and "
                 "scatter parameters with collectives that a rank which ran out of memory would "
                 "never join, so autobatch cannot keep the ranks in step. Use "
@@ -858,39 +865,47 @@ class _Coordination:
             )
         if not isinstance(module, DistributedDataParallel):
             return
-        first = id(module) not in self.modules
         unsupported = [
             what for what, present in (
                 ("static_graph=True", getattr(module, "static_graph", False)),
                 ("a communication hook", getattr(module, "_comm_hooks", None)),
             ) if present
         ]
-        problem = None
         if unsupported:
-            problem = (
+            self._refuse(
                 f"{self.engine.name}: this DistributedDataParallel module has "
-                f"{' and '.join(unsupported)}, which autobatch's once-per-step gradient averaging "
-                "would bypass; use retry_on_oom(sync_ranks=False), or drop that option"
+                f"{' and '.join(unsupported)}, which autobatch's gradient averaging would "
+                "bypass; use retry_on_oom(sync_ranks=False), or drop that option"
             )
-        elif self.engine.optimizer is None:
-            problem = (
-                f"{self.engine.name} runs a DistributedDataParallel model under torch.distributed; "
-                "pass retry_on_oom(optimizer=...) so that autobatch can average the gradients "
-                "once every rank has finished its backward"
-            )
-        if problem is not None:
-            if self.settled is None:
-                self._vote(_distributed.FAILED)  # the others stop at their next vote
-            raise AutobatchError(problem)
-        if first:
+        if id(module) not in self.modules:
             self.modules[id(module)] = (module, module.require_backward_grad_sync)
-        module.require_backward_grad_sync = False  # gradients are averaged at optimizer.step()
+        if id(module) not in self.hooked:
+            self.hooked.add(id(module))
+            for p in module.module.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._gradient_ready)
+        module.require_backward_grad_sync = False  # autobatch averages after backward
+        self.armed = self.armed or self.last
         if module.broadcast_buffers and any(True for _ in module.module.buffers()):
             self.checkpoint()  # DDP's forward begins with a collective (the buffers' broadcast)
 
-    def _step(self, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not self.active:
-            return real(*args, **kwargs)
+    def _refuse(self, problem: str) -> None:
+        if self.settled is None:
+            self._vote(_distributed.FAILED)  # the others stop at their next vote
+        raise AutobatchError(problem)
+
+    def _gradient_ready(self, _: torch.Tensor) -> None:
+        """A DDP parameter got its gradient: average them all once this backward has ended."""
+        if self.active and self.armed and not self.queued:
+            self.queued = True
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        """End of the backward of a batch's last piece: agree, then average the gradients."""
+        self.armed = self.queued = False
+        if self.session is not None:
+            self.session.merge()  # the earlier pieces' sums, for parameters the last one missed
         averages = []  # staging buffers first: an OOM here is still an ordinary, agreed one
         for module, _ in self.modules.values():
             ignored: set[str] = set(getattr(module, "parameters_to_ignore", ()))
@@ -905,8 +920,13 @@ class _Coordination:
         for average in averages:
             average.run(present[: len(average.params)])
             present = present[len(average.params) :]
+
+    def _step(self, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The optimizer's step during attempts: a first step that ran out of memory is tried
+        again on this rank (the gradients, averaged already, are the same on every rank)."""
         optimizer = self.engine.optimizer
-        assert optimizer is not None  # only patched onto the engine's optimizer
+        if not self.active or optimizer is None:
+            return real(*args, **kwargs)
         error: BaseException | None = None
         for _ in range(STEP_TRIES):
             versions = sum(sum(map(_VERSION, g["params"])) for g in optimizer.param_groups)
@@ -1243,7 +1263,11 @@ class _Engine:
                     baseline = memory.allocated_bytes()
                 failure = None
                 try:
-                    with phases, coord.attempt() if coord is not None else contextlib.nullcontext():
+                    with phases, (
+                        contextlib.nullcontext() if coord is None
+                        else coord.attempt(last=done + n == total or self.policy == "shrink",
+                                           session=session)
+                    ):
                         result = self.fn(*piece_args, **piece_kwargs)
                 except BaseException as exc:
                     failure = self._capture(exc)

@@ -133,6 +133,8 @@ def _train_ddp(rank: int, fault: str | None, at_call: int = 0, policy: str = "ac
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(inputs), labels)
         loss.backward()
+        # Clipping between backward and step sees the averaged gradients, as under DDP alone
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
         opt.step()
         return loss.detach()
 
