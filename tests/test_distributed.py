@@ -273,3 +273,31 @@ def test_independent_ranks_recover_alone(tmp_path: Path) -> None:
     assert (zero["ooms"], zero["micro"]) == (0, None)  # rank 0 never split its batches
     assert one["ooms"] == 1
     assert one["micro"] is not None
+
+
+def _scaler_with_inf_on_one_rank(rank: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    @autobatch.retry_on_oom(optimizer=opt, scaler=scaler)
+    def step(batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss = model(batch).sum() * (float("inf") if rank == 1 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    step(torch.randn(4, 8))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return {"unchanged": unchanged, "scale": float(scaler.get_scale())}
+
+
+def test_gradscaler_skips_the_step_on_every_rank_when_one_rank_overflows(tmp_path: Path) -> None:
+    # Under DDP alone the all-reduced gradients carry the inf to every rank; so must ours.
+    results = run_ranks(_scaler_with_inf_on_one_rank, 2, tmp_path, timeout=60)
+    assert results == [{"unchanged": True, "scale": 2.0}] * 2
