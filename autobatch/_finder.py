@@ -24,6 +24,7 @@ from autobatch._trial import (
     StepFn,
     TrialRecord,
     TrialRunner,
+    per_operator_possible,
     prepared,
     prime_optimizer,
 )
@@ -265,7 +266,7 @@ def search_batch_size(
             )
         runner = TrialRunner(
             make_batch, work.step, memory, steps_per_trial=steps_per_trial,
-            cleanup=work.drop_gradients,
+            cleanup=work.drop_gradients, per_operator=per_operator_possible(model),
         )
         if work.optimizer is not None:
             _prime(work.optimizer, model, min_batch, capacity, memory.name, sync)
@@ -313,35 +314,46 @@ def search_batch_size(
 
 
 def _agreeing(runner: TrialRunner) -> Callable[[int], Outcome]:
-    """The runner's probe, with every verdict agreed by all ranks in one collective per trial.
+    """The runner's probe, with every verdict agreed by all ranks: one collective per trial, and
+    a second for the peaks of the parts when the trial fit everywhere.
 
-    A rank whose trial raises a non-OOM error still takes part in the collective (so no rank
-    waits forever), then re-raises; the other ranks raise an :class:`AutobatchError` naming it.
+    Parts (and phases) are kept only when every rank measured as many, element-wise maximal.
+    A rank whose trial raises a non-OOM error still takes part in the first collective (so no
+    rank waits forever), then re-raises; the other ranks raise an :class:`AutobatchError`
+    naming it.
     """
 
     def probe(size: int) -> Outcome:
         try:
             mine = runner(size)
         except Exception:
-            _distributed.all_max([1, 1, -1, -1, -1])
+            _distributed.all_max([1, 1, -1, 0, 0, 0, 0])
             raise
-        parts = list(mine.parts) if len(mine.parts) == 2 else [-1, -1]
         peak_mine = -1 if mine.peak_bytes is None else mine.peak_bytes
-        crashed, failed, peak, *agreed = _distributed.all_max(
-            [0, int(not mine.fits), peak_mine, *parts]
+        counts = [len(mine.parts), -len(mine.parts), len(mine.phases), -len(mine.phases)]
+        crashed, failed, peak, *spans = _distributed.all_max(
+            [0, int(not mine.fits), peak_mine, *counts]
         )
         if crashed:
             raise AutobatchError(
                 f"another rank failed with an error that is not out-of-memory during the trial "
                 f"at batch {size}; see that rank's traceback"
             )
-        if failed and mine.fits:
-            return Outcome(fits=False, error="oom on another rank")
+        if failed:
+            error = mine.error if not mine.fits else "oom on another rank"
+            return Outcome(fits=False, error=error)
+        # (most, -fewest) per vector: every rank has as many exactly when the two agree
+        parts = mine.parts if spans[0] == -spans[1] else ()
+        phases = mine.phases if spans[2] == -spans[3] else ()
+        if parts or phases:
+            agreed = _distributed.all_max([*parts, *phases])
+            parts, phases = tuple(agreed[: len(parts)]), tuple(agreed[len(parts) :])
         return Outcome(
-            fits=not failed,
+            fits=True,
             peak_bytes=None if peak < 0 else peak,
             error=mine.error,
-            parts=tuple(agreed) if min(agreed) >= 0 else (),
+            parts=parts,
+            phases=phases,
         )
 
     return probe

@@ -8,6 +8,7 @@ never decides which size to try (that is :mod:`autobatch.search`).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autobatch import _batch
 from autobatch._backends import DeviceMemory, free_memory
@@ -253,9 +255,13 @@ class TrialRecord:
 class TrialRunner:
     """Runs the step at a size and reports an :class:`~autobatch.search.Outcome`.
 
-    ``make_batch(n)`` builds the batch on the device, ``step(batch)`` runs one step. After a
-    failure the runner leaves the ``except`` block, drops gradients and frees cached memory
-    before the next trial.
+    ``make_batch(n)`` builds the batch on the device, ``step(batch)`` runs one step. Every trial
+    starts from the same state: ``cleanup`` (dropping the gradients) runs first, so no part of
+    a trial's memory depends on what the trial before it left. After a failure the runner
+    leaves the ``except`` block, cleans up and frees cached memory before the next trial.
+    With ``per_operator`` (and memory statistics) the outcome's parts are the peaks of every
+    operator the trial dispatched (see :class:`_StepPeaks`); its phases, the peaks outside and
+    inside ``optimizer.step``, are measured either way.
     """
 
     def __init__(
@@ -267,6 +273,7 @@ class TrialRunner:
         steps_per_trial: int = 1,
         cleanup: Callable[[], None] = lambda: None,
         on_trial: Callable[[TrialRecord], None] | None = None,
+        per_operator: bool = True,
     ) -> None:
         self.make_batch = make_batch
         self.step = step
@@ -274,13 +281,14 @@ class TrialRunner:
         self.steps_per_trial = steps_per_trial
         self.cleanup = cleanup
         self.on_trial = on_trial
+        self.per_operator = per_operator
         self.records: list[TrialRecord] = []
 
-    def _attempt(self, size: int, phases: _PhasePeaks) -> str | None:
+    def _attempt(self, size: int, peaks: _StepPeaks) -> str | None:
         """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
 
         def run() -> None:
-            with phases:
+            with peaks:
                 batch = self.make_batch(size)
                 for _ in range(self.steps_per_trial):
                     self.step(batch)
@@ -289,16 +297,17 @@ class TrialRunner:
         return attempt(run)
 
     def __call__(self, size: int) -> Outcome:
+        self.cleanup()
         self.memory.reset_peak()
-        phases = _PhasePeaks(self.memory)
+        peaks = _StepPeaks(self.memory, per_operator=self.per_operator)
         start = time.perf_counter()
-        error = self._attempt(size, phases)
+        error = self._attempt(size, peaks)
         seconds = time.perf_counter() - start
         peak: int | None = None
         parts: tuple[int, ...] = ()
+        phases: tuple[int, ...] = ()
         if error is None and self.memory.has_statistics:
-            parts = phases.peaks()
-            peak = max(parts) if parts else self.memory.peak_bytes()
+            peak, parts, phases = peaks.peak, peaks.parts(), peaks.phases()
         else:  # out of the except block: the failed attempt's tensors are gone
             self.cleanup()
             free_memory(self.memory.device)
@@ -307,10 +316,131 @@ class TrialRunner:
         logger.info("%s", record)
         if self.on_trial is not None:
             self.on_trial(record)
-        return Outcome(fits=error is None, peak_bytes=peak, error=error, parts=parts)
+        return Outcome(fits=error is None, peak_bytes=peak, error=error, parts=parts, phases=phases)
 
 
-class _PhasePeaks:
+def per_operator_possible(model: nn.Module) -> bool:
+    """Whether per-operator peaks measure ``model`` as it really runs: not when it (or a
+    submodule) is compiled, since compiled code runs eagerly while a dispatch mode is active."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    for module in model.modules():
+        if optimized is not None and isinstance(module, optimized):
+            return False
+        if getattr(module, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
+            return False
+    return True
+
+
+class _StepPeaks:
+    """The peaks of a trial's parts: of every operator it dispatches, and of its two phases.
+
+    The trial's time is cut into segments, one per dispatched operator (from its call to the
+    next operator's) and at the optimizer step's start and end; a segment's part is its peak,
+    so the parts' maximum is the trial's peak. Each part is affine in the batch size when the
+    same operators run at every size, so the step's convex curve (the maximum of those lines)
+    is known from two small trials. The phases are the parts' maxima outside ``optimizer.step``
+    (forward, backward) and inside it. Only :class:`~autobatch._backends.DeviceMemory` is
+    asked (its peak, read and reset around each operator), so any backend with statistics
+    works. The operator mode is entered last, so it wraps any other dispatch mode (a simulated
+    GPU's accounting included).
+    """
+
+    def __init__(self, memory: DeviceMemory, *, per_operator: bool = True) -> None:
+        self.memory = memory
+        self.statistics = memory.has_statistics
+        self.per_operator = per_operator and self.statistics
+        self.operators: list[int] = []
+        self.outside = 0
+        self.inside: int | None = None
+        self._stepping = False
+        self._hooks: list[Any] = []
+        self._mode: _OperatorMode | None = None
+
+    def close_segment(self, restart: bool = True) -> None:
+        """Ends the current segment: its peak becomes a part, and (``restart``) a new
+        measurement starts."""
+        memory = self.memory
+        peak = memory.peak_bytes()
+        if restart:
+            memory.reset_peak()
+        if self.per_operator:
+            self.operators.append(peak)
+        if self._stepping:
+            self.inside = peak if self.inside is None else max(self.inside, peak)
+        elif peak > self.outside:
+            self.outside = peak
+
+    def _before_step(self, *_: Any) -> None:
+        self.close_segment()
+        self._stepping = True
+
+    def _after_step(self, *_: Any) -> None:
+        self.close_segment()
+        self._stepping = False
+
+    def __enter__(self) -> _StepPeaks:
+        if self.statistics:
+            self._hooks = [
+                register_optimizer_step_pre_hook(self._before_step),
+                register_optimizer_step_post_hook(self._after_step),
+            ]
+        if self.per_operator:
+            try:
+                mode = _OperatorMode(self)
+                mode.__enter__()
+            except BaseException:
+                self._remove_hooks()
+                raise
+            self._mode = mode
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        self._remove_hooks()
+        if self.statistics:  # the last segment; the peak is left running, as it was found
+            self.close_segment(restart=False)
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    @property
+    def peak(self) -> int:
+        """The trial's peak: the maximum of its parts."""
+        return max(self.outside, self.inside or 0)
+
+    def parts(self) -> tuple[int, ...]:
+        """Every segment's peak in order (one per operator), or ``()`` when not recorded."""
+        return tuple(self.operators) if len(self.operators) >= 2 else ()
+
+    def phases(self) -> tuple[int, ...]:
+        """``(outside, inside)`` when an optimizer stepped, else ``()``."""
+        return () if self.inside is None else (self.outside, self.inside)
+
+
+class _OperatorMode(TorchDispatchMode):
+    """Closes a segment of :class:`_StepPeaks` as each operator starts."""
+
+    def __init__(self, peaks: _StepPeaks) -> None:
+        super().__init__()
+        self.close = peaks.close_segment
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.close()
+        return func(*args, **(kwargs or {}))
+
+
+class _PhasePeaks(_StepPeaks):
     """The peaks of a trial's phases: outside ``optimizer.step`` (forward, backward) and inside it.
 
     The step's peak is their maximum; fitted apart, each is a straight line in the batch size,
@@ -318,34 +448,8 @@ class _PhasePeaks:
     """
 
     def __init__(self, memory: DeviceMemory) -> None:
-        self.memory = memory
-        self.outside = 0
-        self.inside: int | None = None
-        self._hooks: list[Any] = []
-
-    def _before_step(self, *_: Any) -> None:
-        self.outside = max(self.outside, self.memory.peak_bytes())
-        self.memory.reset_peak()
-
-    def _after_step(self, *_: Any) -> None:
-        self.inside = max(self.inside or 0, self.memory.peak_bytes())
-        self.memory.reset_peak()
-
-    def __enter__(self) -> _PhasePeaks:
-        if self.memory.has_statistics:
-            self._hooks = [
-                register_optimizer_step_pre_hook(self._before_step),
-                register_optimizer_step_post_hook(self._after_step),
-            ]
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        if self.memory.has_statistics:
-            self.outside = max(self.outside, self.memory.peak_bytes())
+        super().__init__(memory, per_operator=False)
 
     def peaks(self) -> tuple[int, ...]:
         """``(outside, inside)`` when an optimizer stepped, else ``()``."""
-        return () if self.inside is None else (self.outside, self.inside)
+        return self.phases()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Protocol
 
@@ -43,6 +43,8 @@ logger.addHandler(logging.NullHandler())
 UNBOUNDED_MAX_SIZE = 2**62
 
 _MAX_FIT_POINTS = 8  # the fit uses the fitting trials at the largest sizes only
+_FIT_TOLERANCE_BYTES = 4096.0  # how far fit_linear lets a point sit from its line by default
+_SHARP_SPREAD = 0.45  # a spread (in sizes) under 1/2 leaves at most two candidates: sharp
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
@@ -58,22 +60,25 @@ class Outcome:
     """What a probe reports about one trial.
 
     >>> Outcome(fits=True, peak_bytes=3_000_000)
-    Outcome(fits=True, peak_bytes=3000000, error=None, parts=())
+    Outcome(fits=True, peak_bytes=3000000, error=None, parts=(), phases=())
 
     Args:
         fits: whether the trial ran to completion.
         peak_bytes: the trial's measured peak memory (fitting trials); ``None`` when the device
             keeps no statistics.
         error: a short kind for a failure, e.g. ``"oom"`` or ``"size_limit"``.
-        parts: the peaks of the step's phases (e.g. forward and backward, then the optimizer
-            step), whose maximum is ``peak_bytes``. Each phase is fitted on its own, so a phase
-            that sets the peak only at small sizes (the optimizer step) does not bend the line.
+        parts: the peaks of the step's parts in order (e.g. one per operator it ran), whose
+            maximum is ``peak_bytes``. Each part is fitted on its own: the step's curve is the
+            maximum of their lines, which bends where another part starts to set the peak.
+        phases: coarser parts (e.g. forward and backward, then the optimizer step), used when
+            the trials' ``parts`` do not line up (a different number of them at another size).
     """
 
     fits: bool
     peak_bytes: int | None = None
     error: str | None = None
     parts: tuple[int, ...] = ()
+    phases: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.fits, bool):
@@ -89,14 +94,15 @@ class Trial:
     """One probe as the search recorded it.
 
     >>> Trial(size=64, fits=False, error="oom")
-    Trial(size=64, fits=False, peak_bytes=None, error='oom', parts=())
+    Trial(size=64, fits=False, peak_bytes=None, error='oom', parts=(), phases=())
 
     Args:
         size: the size probed.
         fits: whether it fit.
         peak_bytes: its measured peak memory, if any.
         error: the probe's short failure kind, if any.
-        parts: the peaks of the step's phases, if the probe measured them.
+        parts: the peaks of the step's parts, if the probe measured them.
+        phases: the peaks of the step's phases, if the probe measured them.
     """
 
     size: int
@@ -104,6 +110,7 @@ class Trial:
     peak_bytes: int | None = None
     error: str | None = None
     parts: tuple[int, ...] = ()
+    phases: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,8 @@ class _Fit:
     high: int  # largest size used by the fit
     residual: float  # worst absolute residual of the used points, bytes
     bent: bool = False  # the line's smallest point may lie before a bend in the curve
+    count: int = 2  # how many sizes the fit used
+    straight: bool = False  # the points are one part's (affine by construction), not a whole step's
 
 
 def _least_squares(xs: Sequence[int], ys: Sequence[int]) -> tuple[float, float]:
@@ -199,11 +208,11 @@ def _fit(points: Sequence[tuple[int, int]], tolerance_bytes: float) -> _Fit | No
         start_slope = (peaks[x2] - peaks[x1]) / (x2 - x1)
         reach = 1 + 2 * (x - x2) / (x2 - x1)  # how much extrapolation widens the tolerance
         bent = abs(peaks[x] - peaks[x2] - start_slope * (x - x2)) <= tolerance_bytes * reach
-    return _Fit(LinearModel(fixed, per_sample), sizes[0], sizes[-1], worst, bent)
+    return _Fit(LinearModel(fixed, per_sample), sizes[0], sizes[-1], worst, bent, len(sizes))
 
 
 def fit_linear(
-    points: Sequence[tuple[int, int]], *, tolerance_bytes: float = 4096.0
+    points: Sequence[tuple[int, int]], *, tolerance_bytes: float = _FIT_TOLERANCE_BYTES
 ) -> LinearModel | None:
     """Fit ``peak = fixed + per_sample * size`` to measured ``(size, peak_bytes)`` points, robustly.
 
@@ -283,8 +292,8 @@ class SearchState:
     def points(self) -> list[tuple[int, int]]:
         """``(size, peak_bytes)`` of the fitting trials that reported a peak.
 
-        When every such trial also reported the peaks of its phases, the points are those of
-        the phase that binds first at the capacity (see :func:`binding_points`).
+        When every such trial also reported the peaks of its parts (or phases), the points are
+        those of the part that binds first at the capacity (see :func:`binding_points`).
         """
         return binding_points(self.trials, self.capacity_bytes)
 
@@ -363,18 +372,31 @@ class ModelGuided:
     often sets the peak); the second where scaling that peak says it surely fits. From then on
     the model is refitted to the largest sizes (dropping small ones off the line) and each trial
     goes where it predicts the largest fit under ``capacity_bytes``: exactly there when the
-    prediction is good to one size; safely below it when allocator rounding over a long
-    extrapolation makes it uncertain; a geometric step when the slope is mostly noise; three
-    quarters of the way when the curve bends (a constant sets the peak up to some size, so the
-    line through the first point past the bend is too flat). A trial that fits where the model
-    expected the last size steps up by a growing amount; a failure where it promised a fit steps
-    down by one, then two, then bisects. Without peak statistics or capacity, and after
-    ``model_trials`` trials, ``fallback`` chooses, which bounds the trial count.
+    prediction is good to one size. When allocator rounding over a long extrapolation makes it
+    uncertain: if the points are one part's (a straight line, see :func:`binding_points`), the
+    cheapest size that surely fits and makes the next prediction sharp (every size tried below
+    the answer costs its samples); else safely below the prediction, or a geometric step when
+    the slope is mostly noise, or three quarters of the way when the curve bends (a constant
+    sets the peak up to some size, so the line through the first point past the bend is too
+    flat). A trial that fits where the model expected the last size steps up by a growing
+    amount; a failure where it promised a fit steps down by one, then two, then bisects.
+    Without peak statistics or capacity, and after ``model_trials`` trials, ``fallback``
+    chooses, which bounds the trial count.
 
     >>> peak = lambda n: 3_000_000_000 + 5_000_000 * n  # bytes
     >>> probe = lambda n: Outcome(fits=peak(n) <= 8_000_000_000, peak_bytes=peak(n))
     >>> search(probe, capacity_bytes=8_000_000_000, policy=ModelGuided()).sizes
     (2, 8, 1000, 1001)
+
+    A bent curve, the maximum of two lines (a large constant, then a steep slope), told apart
+    in ``parts``, is as quick as a straight one:
+
+    >>> lines = [(3_200_000, 512), (2_000_000, 5_632)]  # bytes, bytes per sample
+    >>> parts = lambda n: tuple(fixed + per_sample * n for fixed, per_sample in lines)
+    >>> probe = lambda n: Outcome(fits=max(parts(n)) <= 8_000_000, peak_bytes=max(parts(n)),
+    ...                           parts=parts(n))
+    >>> search(probe, capacity_bytes=8_000_000).sizes
+    (2, 8, 360, 1065, 1066)
 
     Args:
         first_size: the first size tried when there is no ``start`` or ``prior``.
@@ -407,21 +429,24 @@ class ModelGuided:
             if state.prior is not None:
                 return state.prior.largest_within(capacity)
             return self.first_size
-        points = state.points
+        points, straight = _binding(state.trials, capacity)
         if not points:
             if state.largest_fit is None:  # only failures so far: get a measured point cheaply
                 return self.first_size
             return self.fallback.next_size(state)
-        fit = self._fit(state, points)
+        fit = self._fit(state, points, straight)
         if fit is None:
             if len({size for size, _ in points}) == 1:
                 return self._second_size(state, points[-1], capacity)
             return self.fallback.next_size(state)
         return self._guided_size(state, fit, capacity)
 
-    def _fit(self, state: SearchState, points: list[tuple[int, int]]) -> _Fit | None:
+    def _fit(
+        self, state: SearchState, points: list[tuple[int, int]], straight: bool = False
+    ) -> _Fit | None:
         if len({size for size, _ in points}) >= 2:
-            return _fit(points, 8.0 * self.granularity_bytes)
+            found = _fit(points, 8.0 * self.granularity_bytes)
+            return None if found is None else replace(found, straight=straight)
         prior, capacity = state.prior, state.capacity_bytes
         if prior is None or capacity is None:
             return None
@@ -430,7 +455,7 @@ class ModelGuided:
             return None  # the prior said that size fits, and it did not: distrust it
         size, peak = max(points)
         anchored = LinearModel(peak - prior.per_sample * size, prior.per_sample)
-        return _Fit(anchored, size, size, 0.0)
+        return _Fit(anchored, size, size, 0.0, count=1)
 
     def _second_size(self, state: SearchState, point: tuple[int, int], capacity: int) -> int:
         """With one measured point, where scaling its peak up to capacity says the size fits.
@@ -476,6 +501,11 @@ class ModelGuided:
             return target * step
         if fit.bent:  # the slope may be too small: land well short, past the bend
             return max(low + 1, low + 3 * (target - low) // 4) * step
+        sharpening = self._sharpening_size(fit, exact) if fit.straight else None
+        if sharpening is not None:  # on the grid, and where the model says it surely fits
+            index = -(-sharpening // step)
+            if low < index <= min(target, math.floor(exact - spread) // step):
+                return index * step
         if spread * 4 > exact - fit.high:  # the slope is mostly noise: a geometric step
             return max(low + 1, math.isqrt(max(low, 1) * target)) * step
         # Land below every candidate, and at least an eighth of the way back: it surely fits
@@ -483,6 +513,29 @@ class ModelGuided:
         center = min(math.floor(exact) // step, target)
         aim = min(math.floor(exact - spread) // step, center - (center - low) // 8)
         return max(low + 1, aim) * step
+
+    def _sharpening_size(self, fit: _Fit, exact: float) -> int | None:
+        """The smallest size that, if its peak lands on the line, makes the next prediction
+        sharp (``None`` if no size does).
+
+        Probing ``x`` stretches the fit's baseline to ``x``, so the next spread is
+        ``error * (1 + 2 * (exact - x) / (x - fit.low)) / per_sample``: solved for the
+        smallest ``x`` with a spread under :data:`_SHARP_SPREAD`, with the rounding error of
+        any point if that is small enough, else with the smaller error of one more point on
+        the line. Every size tried below the answer costs its samples, so the cheapest size
+        that makes the next prediction sharp beats one just below the prediction.
+        """
+        for error in (
+            max(float(self.granularity_bytes), fit.residual),
+            self._error(replace(fit, count=fit.count + 1)),
+        ):
+            relative = error / fit.model.per_sample
+            if relative < _SHARP_SPREAD:
+                bound = (2 * relative * exact + (_SHARP_SPREAD - relative) * fit.low) / (
+                    _SHARP_SPREAD + relative
+                )
+                return max(math.floor(bound) + 1, fit.low + 1)
+        return None
 
     def _cap(self, state: SearchState, size: int) -> int:
         """``size`` limited to ``max_growth`` times the largest fit and to ``max_size``."""
@@ -496,8 +549,8 @@ class ModelGuided:
         earlier = [t.size for t in state.trials[:-1] if t.fits]
         if not last.fits or not earlier:
             return 0
-        points = binding_points(state.trials[:-1], capacity)
-        fit = self._fit(state, points) if points else None
+        points, straight = _binding(state.trials[:-1], capacity)
+        fit = self._fit(state, points, straight) if points else None
         if fit is None:
             return 0
         exact, spread = self._predict(fit, capacity)
@@ -515,10 +568,33 @@ class ModelGuided:
         exact = (capacity - model.fixed) / model.per_sample
         if not math.isfinite(exact) or exact > UNBOUNDED_MAX_SIZE:
             return float(UNBOUNDED_MAX_SIZE), 0.0
-        error = max(float(self.granularity_bytes), fit.residual)
+        error = self._error(fit)
         if fit.high > fit.low:
             error *= 1 + 2 * max(0.0, exact - fit.high) / (fit.high - fit.low)
         return exact, error / model.per_sample
+
+    def _error(self, fit: _Fit) -> float:
+        """How far a fitted point may be off its line: the allocator's rounding, or the fit's
+        worst residual.
+
+        Where a sample adds so few bytes that rounding alone keeps every prediction from being
+        sharp, one part's points (a straight line, not a curve that may bend) that grow by a
+        whole number of blocks per sample, three or more of them much closer to their line
+        than rounding would put them, are taken to be rounded alike at every size: the error
+        shrinks, to an eighth of the rounding at the least.
+        """
+        granularity = float(self.granularity_bytes)
+        per_sample = fit.model.per_sample
+        blocks = round(per_sample / granularity) if granularity else 0
+        if (
+            fit.straight
+            and fit.count >= 3
+            and granularity >= _SHARP_SPREAD * per_sample  # rounding is as large as a sample
+            and blocks >= 1
+            and abs(per_sample - blocks * granularity) <= 0.5  # whole blocks per sample
+        ):
+            granularity = min(granularity, max(granularity / 8, 4 * fit.residual))
+        return max(granularity, fit.residual)
 
 
 class _Bracket:
@@ -558,37 +634,95 @@ class _Bracket:
 
 
 def binding_points(trials: Sequence[Trial], capacity_bytes: int | None) -> list[tuple[int, int]]:
-    """``(size, peak)`` points of the fitting trials: of the phase whose own line reaches
-    ``capacity_bytes`` first when the trials measured their phases, else of the whole step.
+    """``(size, peak)`` points of the fitting trials: of the part whose own line reaches
+    ``capacity_bytes`` first when the trials measured their parts, else of the whole step.
 
-    The step's peak is the maximum of its phases' peaks, each affine in the size; a phase with
-    a large constant and a small slope (the optimizer step) sets the peak at small sizes and
-    bends the step's curve. Fitting each phase alone keeps every line straight.
+    The step's peak is the maximum of its parts' peaks (one per operator, or per phase), each
+    affine in the size; their maximum is a convex curve that bends wherever another part takes
+    over, e.g. where the optimizer step's large constant stops setting the peak, or where a
+    steeper operator of the backward pass overtakes a flatter one. Fitting each part alone
+    keeps every line straight. The trials' ``parts`` are used when every fitting trial has as
+    many, else their ``phases``, else the whole peaks.
 
     >>> trials = [Trial(2, True, 900, parts=(500, 900)), Trial(8, True, 1100, parts=(1100, 906))]
     >>> binding_points(trials, capacity_bytes=5000)
     [(2, 500), (8, 1100)]
     """
+    return _binding(trials, capacity_bytes)[0]
+
+
+def _binding(
+    trials: Sequence[Trial], capacity_bytes: int | None
+) -> tuple[list[tuple[int, int]], bool]:
+    """:func:`binding_points`, and whether they are of the trials' ``parts``: the finest split,
+    whose lines are straight (each operator's peak is affine in the size), while a phase's or
+    the whole step's curve may still bend."""
     fitting = [t for t in trials if t.fits and t.peak_bytes is not None]
     whole = [(t.size, t.peak_bytes) for t in fitting if t.peak_bytes is not None]
-    count = len(fitting[0].parts) if fitting else 0
-    if (
-        capacity_bytes is None
-        or count < 2
-        or any(len(t.parts) != count for t in fitting)
-        or len({t.size for t in fitting}) < 2
+    if capacity_bytes is None or len({t.size for t in fitting}) < 2:
+        return whole, False
+    for vectors, straight in (
+        ([t.parts for t in fitting], True),
+        ([t.phases for t in fitting], False),
     ):
-        return whole
-    best: tuple[float, list[tuple[int, int]]] | None = None
-    for index in range(count):
-        points = [(t.size, t.parts[index]) for t in fitting]
-        model = fit_linear(points)
-        if model is None:  # this phase does not grow with the size: it never binds first
-            continue
-        reach = (capacity_bytes - model.fixed) / model.per_sample
-        if best is None or reach < best[0]:
-            best = (reach, points)
-    return whole if best is None else best[1]
+        points = _binding_part(fitting, vectors, capacity_bytes)
+        if points is not None:
+            return points, straight
+    return whole, False
+
+
+def _binding_part(
+    fitting: Sequence[Trial], vectors: Sequence[tuple[int, ...]], capacity_bytes: int
+) -> list[tuple[int, int]] | None:
+    """The points of the part that reaches the capacity first; ``None`` when the parts do not
+    line up across the trials or none of them grows."""
+    count = len(vectors[0])
+    if count == 0 or any(len(vector) != count for vector in vectors):
+        return None
+    sizes = [t.size for t in fitting]
+    best: tuple[float, tuple[int, ...]] | None = None
+    # Thousands of parts (one per operator), most of them alike: each distinct series once.
+    for series in dict.fromkeys(zip(*vectors, strict=True)):
+        reach = _reach(sizes, series, capacity_bytes)
+        if reach is not None and (best is None or reach < best[0]):
+            best = (reach, series)
+    if best is None:  # no part grows with the size: none ever binds
+        return None
+    return list(zip(sizes, best[1], strict=True))
+
+
+def _reach(sizes: Sequence[int], peaks: Sequence[int], capacity_bytes: int) -> float | None:
+    """Where :func:`fit_linear`'s line through ``(size, peak)`` meets the capacity, in floats
+    (fast enough for thousands of parts); ``None`` when the line does not grow."""
+    by_size: dict[int, int] = {}
+    for size, peak in zip(sizes, peaks, strict=True):
+        by_size[size] = max(peak, by_size.get(size, peak))
+    xs = sorted(by_size)[-_MAX_FIT_POINTS:]
+    ys = [by_size[x] for x in xs]
+    if min(ys) == max(ys):  # flat: this part never binds
+        return None
+    tolerance = _FIT_TOLERANCE_BYTES + 1e-9 * max(ys)
+    while True:
+        fixed, per_sample = _float_least_squares(xs, ys)
+        if len(xs) == 2:
+            break
+        worst = max(abs(y - fixed - per_sample * x) for x, y in zip(xs, ys, strict=True))
+        if worst <= tolerance and per_sample > 0:
+            break
+        xs, ys = xs[1:], ys[1:]  # as _fit does: drop the smallest size first
+    if not per_sample > 0:
+        return None
+    return (capacity_bytes - fixed) / per_sample
+
+
+def _float_least_squares(xs: Sequence[int], ys: Sequence[int]) -> tuple[float, float]:
+    """``(fixed, per_sample)`` of the least-squares line, in floats, centred (no cancellation)."""
+    count = len(xs)
+    x_mean, y_mean = sum(xs) / count, sum(ys) / count
+    sxx = sum((x - x_mean) ** 2 for x in xs)
+    sxy = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True))
+    per_sample = sxy / sxx
+    return y_mean - per_sample * x_mean, per_sample
 
 
 def search(
@@ -610,8 +744,11 @@ def search(
     twice or off the grid, and the same probe gives the same sequence of sizes.
 
     Trials, with the default policy: with peak statistics on an affine curve (also one whose
-    first size bends, with 512-byte rounding) 4 or 5, one of them failing; about 9 when a
-    constant (the optimizer step) sets the peak up to hundreds of samples; with an exact
+    first size bends, with 512-byte rounding) 4 or 5, one of them failing; also 4 or 5 on a
+    bent curve whose straight parts the probe reports (each operator's peak, see
+    :class:`Outcome`), with at most three times the answer's samples in all when each part
+    grows by several 512-byte blocks per sample; without parts, about 9 when a constant (the
+    optimizer step) sets the peak up to hundreds of samples; with an exact
     ``start`` or ``prior``, 2; without statistics at most ``2*floor(log2(answer)) + 2`` from
     ``min_size=1``. For any monotone probe, any ``start`` and any ``prior``: at most
     ``2*ceil(log2(R)) + 20``, where ``R`` is the number of grid sizes from ``min_size`` up to
@@ -676,7 +813,12 @@ def search(
             raise TypeError(
                 f"probe({size}) returned {type(outcome).__name__}; it must return an Outcome"
             )
-        trials.append(Trial(size, outcome.fits, outcome.peak_bytes, outcome.error, outcome.parts))
+        trials.append(
+            Trial(
+                size, outcome.fits, outcome.peak_bytes, outcome.error, outcome.parts,
+                outcome.phases,
+            )
+        )
         bracket.record(size, outcome.fits)
         logger.debug(
             "trial %d: size %d %s (peak %s bytes%s)",

@@ -61,6 +61,61 @@ def test_exact_largest_batch_in_few_trials(name: str) -> None:
     assert best + 1 in sizes  # exactness was verified, not extrapolated
 
 
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("mlp", 37), ("mlp", 100), ("mlp", 1000), ("conv", 100), ("transformer", 100)],
+)
+def test_exact_in_at_most_six_trials_and_three_times_the_samples(name: str, target: int) -> None:
+    """The capacity halfway between the peaks of the search's own trials at B* and B*+1. Each
+    operator's peak is a straight line in the batch size, so two small trials give the whole
+    (bent) memory curve: with one more to make the prediction sharp, the search ends at B* and
+    B*+1."""
+    torch.manual_seed(0)
+    work = WORKLOADS[name]
+    model = work.model()
+    x, y = work.sample(8)
+    with SimulatedGPU(2**50) as gpu:  # measure B* and B*+1 as a search's trials do
+        gpu.adopt(model)
+        measured = search_batch_size(
+            model, (x, y), torch.optim.Adam, loss_fn=CE, start=target, max_batch=target + 1
+        )
+    low, high = (t.peak_bytes for t in measured.trials)
+    assert low is not None
+    assert high is not None
+    assert low < high
+    with SimulatedGPU((low + high) // 2) as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, (x, y), torch.optim.Adam, loss_fn=CE, headroom=0)
+    assert result.max_batch_size == result.batch_size == target
+    assert len(result.trials) <= 6, result
+    assert result.samples_processed <= 3 * target, result
+
+
+def test_operators_that_change_with_the_size_fall_back_to_the_phases() -> None:
+    """A model that runs another operator past some batch size: the trials' parts do not line
+    up, so the search fits the phases (or the whole step), and is still exact."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.body(x)
+            return out * 2 if x.shape[0] > 16 else out
+
+    torch.manual_seed(0)
+    model = Branchy()
+    x, y = WORKLOADS["mlp"].sample(8)
+    with SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, (x, y), torch.optim.Adam, loss_fn=CE, headroom=0)
+    best = result.max_batch_size
+    assert _fits(model, torch.optim.Adam, x, y, best, gpu.capacity_bytes)
+    assert not _fits(model, torch.optim.Adam, x, y, best + 1, gpu.capacity_bytes)
+    assert best + 1 in [t.size for t in result.trials]
+
+
 def test_steady_state_counts_adam_moments() -> None:
     """A size that survives only a first step (no Adam state yet) is not a fit."""
     model = mlp(width=512, depth=2)

@@ -7,12 +7,13 @@ import logging
 import math
 import random
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import autobatch.search
@@ -25,6 +26,7 @@ from autobatch.search import (
     SearchOutcome,
     SearchState,
     Trial,
+    binding_points,
     fit_linear,
     recommend,
     search,
@@ -41,10 +43,12 @@ def rounded(value: float, granularity: int) -> int:
 
 @dataclass
 class Oracle:
-    """A monotone probe that counts its calls: fits while ``fits(n)``, reports ``peak(n)``."""
+    """A monotone probe that counts its calls: fits while ``fits(n)``, reports ``peak(n)`` (and
+    ``parts(n)``)."""
 
     fits: Callable[[int], bool]
     peak: Callable[[int], int] | None = None
+    parts: Callable[[int], tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         self.calls: list[int] = []
@@ -53,7 +57,11 @@ class Oracle:
         self.calls.append(n)
         if not self.fits(n):
             return Outcome(fits=False, error="oom")
-        return Outcome(fits=True, peak_bytes=None if self.peak is None else self.peak(n))
+        return Outcome(
+            fits=True,
+            peak_bytes=None if self.peak is None else self.peak(n),
+            parts=() if self.parts is None or self.peak is None else self.parts(n),
+        )
 
 
 def threshold(limit: int) -> Oracle:
@@ -421,6 +429,8 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     else:
         capacity = peak(answer) if answer else max(1, peak(1) - 1)
         oracle = memory_oracle(peak, capacity, stats=stats)
+    if draw(st.booleans()):  # also told as parts: the curve itself, and a constant beside it
+        oracle.parts = lambda n: (rounded(fixed, granularity), peak(n))
     min_size = draw(st.sampled_from([1, 1, 7, 100]))
     prior = st.builds(LinearModel, st.floats(0, 2**40), st.floats(1e-3, 2**30))
     return Scenario(
@@ -447,7 +457,7 @@ def test_any_monotone_probe_gets_the_exact_answer(scenario: Scenario) -> None:
     outcome = scenario.run()
     check_exact(outcome, scenario.oracle, first, last, step)
     assert len(outcome.trials) <= trial_bound(outcome.largest_fit, first, last, step)
-    again = scenario.run(Oracle(scenario.oracle.fits, scenario.oracle.peak))
+    again = scenario.run(Oracle(scenario.oracle.fits, scenario.oracle.peak, scenario.oracle.parts))
     assert again.sizes == outcome.sizes
 
 
@@ -642,3 +652,110 @@ def test_phase_peaks_straighten_a_kinked_curve(target: int) -> None:
     assert sum(not t.fits for t in phased.trials) <= 2
     assert phased.model is not None
     assert phased.model.per_sample == pytest.approx(per_sample if target > 235 else 512)
+
+
+# --- parts: one peak per operator, a convex curve made of straight lines --------------------------
+
+
+@st.composite
+def operator_curves(draw: st.DrawFn) -> tuple[list[tuple[int, int]], int]:
+    """The lines of a step's operators (``peak = fixed + per_sample * n`` each): some that grow
+    with the batch (activations, their gradients), some nearly flat with a large constant (the
+    optimizer's update); and the size at which the steepest-binding one meets the capacity."""
+    growing = draw(
+        st.lists(st.tuples(st.integers(0, 4 * GIB), st.integers(4096, 64 * MIB)), min_size=1, max_size=30)
+    )
+    flat = draw(st.lists(st.tuples(st.integers(0, 8 * GIB), st.integers(0, 512)), max_size=10))
+    lines = draw(st.permutations(growing + flat))
+    return lines, draw(st.integers(37, 20000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(curve=operator_curves())
+def test_a_convex_curve_told_by_its_parts_is_solved_in_five_trials(
+    curve: tuple[list[tuple[int, int]], int],
+) -> None:
+    """The step's peak is the maximum of its operators' lines: convex, bending wherever a
+    steeper operator takes over. Told each operator's peak (rounded as an allocator does), the
+    search needs two small trials for the whole curve, one more to make the prediction sharp,
+    and the answer and the size above it: five trials and at most three times the answer's
+    samples in all."""
+    lines, target = curve
+
+    def parts(n: int) -> tuple[int, ...]:
+        return tuple(rounded(fixed + per_sample * n, 512) for fixed, per_sample in lines)
+
+    capacity = max(parts(target))
+    binding = max(lines, key=lambda line: line[0] + line[1] * target)
+    assume(binding[1] >= 4096)  # a flat line binds up to some size; past it, a growing one
+    calls: list[int] = []
+
+    def probe(n: int) -> Outcome:
+        calls.append(n)
+        measured = parts(n)
+        if max(measured) > capacity:
+            return Outcome(fits=False, error="oom")
+        return Outcome(fits=True, peak_bytes=max(measured), parts=measured)
+
+    outcome = search(probe, capacity_bytes=capacity)
+    answer = expected_answer(lambda n: max(parts(n)) <= capacity, 1, UNBOUNDED_MAX_SIZE, 1)
+    assert answer is not None
+    assert answer >= target
+    assert outcome.largest_fit == answer
+    assert len(outcome.trials) <= 5, outcome.sizes
+    assert sum(outcome.sizes) <= 3 * answer, outcome.sizes
+
+
+def test_parts_that_do_not_line_up_fall_back_to_the_phases_then_the_whole() -> None:
+    """An operator that runs only at some sizes: the parts' positions no longer match."""
+    trials = [
+        Trial(2, True, 1000, parts=(600, 1000, 10), phases=(1000, 900)),
+        Trial(8, True, 1600, parts=(1100, 1600), phases=(1100, 1600)),
+    ]
+    assert binding_points(trials, capacity_bytes=10_000) == [(2, 900), (8, 1600)]
+    without_phases = [Trial(t.size, t.fits, t.peak_bytes, parts=t.parts) for t in trials]
+    assert binding_points(without_phases, capacity_bytes=10_000) == [(2, 1000), (8, 1600)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lines=st.lists(
+        st.tuples(st.integers(0, 2**34), st.integers(0, 2**24)), min_size=1, max_size=40
+    ),
+    sizes=st.lists(st.integers(1, 10**5), min_size=2, max_size=10, unique=True),
+)
+def test_the_binding_part_is_the_one_whose_own_fit_reaches_the_capacity_first(
+    lines: list[tuple[int, int]], sizes: list[int]
+) -> None:
+    """The fast (float) choice among many parts agrees with fitting each part exactly."""
+    trials = [
+        Trial(n, True, 0, parts=tuple(rounded(a + b * n, 512) for a, b in lines)) for n in sizes
+    ]
+    trials = [Trial(t.size, True, max(t.parts), parts=t.parts) for t in trials]
+    capacity = 2**40
+    reaches = []
+    for index in range(len(lines)):
+        model = fit_linear([(t.size, t.parts[index]) for t in trials])
+        if model is not None:
+            reaches.append((capacity - model.fixed) / model.per_sample)
+    chosen = binding_points(trials, capacity)
+    if not reaches:
+        assert chosen == [(t.size, t.peak_bytes) for t in trials]
+        return
+    model = fit_linear(chosen)
+    assert model is not None
+    assert (capacity - model.fixed) / model.per_sample == pytest.approx(min(reaches), rel=1e-6)
+
+
+def test_thousands_of_parts_are_cheap() -> None:
+    rng = random.Random(0)
+    lines = [(rng.randint(0, 2**33), rng.choice([0, 512, rng.randint(0, 2**22)])) for _ in range(5000)]
+    trials = [
+        Trial(n, True, 0, parts=tuple(rounded(a + b * n, 512) for a, b in lines))
+        for n in (2, 8, 300, 1000)
+    ]
+    trials = [Trial(t.size, True, max(t.parts), parts=t.parts) for t in trials]
+    started = time.perf_counter()
+    points = binding_points(trials, 2**40)
+    assert time.perf_counter() - started < 1.0  # ~20 ms: each distinct series, in floats
+    assert [size for size, _ in points] == [2, 8, 300, 1000]

@@ -1,0 +1,140 @@
+"""Tests for autobatch._trial: the peaks a trial reports, per operator and per phase."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from autobatch._backends import memory_for
+from autobatch._batch import resize_batch
+from autobatch._trial import TrialRunner, make_step, per_operator_possible, prime_optimizer
+from autobatch.search import Outcome
+from autobatch.testing import SimulatedGPU
+from autobatch.testing.models import WORKLOADS, mlp
+
+CE = nn.functional.cross_entropy
+
+
+def _runner(
+    model: nn.Module, per_operator: bool = True, name: str = "mlp"
+) -> tuple[Callable[[int], Outcome], torch.optim.Optimizer]:
+    """A trial runner on the current memory backend, with Adam's state already resident."""
+    sample = WORKLOADS[name].sample(8)
+    opt = torch.optim.Adam(model.parameters())
+    prime_optimizer(opt)
+    runner = TrialRunner(
+        lambda n: resize_batch(sample, n),
+        make_step(model, opt, loss_fn=CE),
+        memory_for("cpu"),
+        cleanup=lambda: model.zero_grad(set_to_none=True),
+        per_operator=per_operator,
+    )
+    return runner, opt
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_the_operators_peaks_make_up_the_trials_peak(name: str) -> None:
+    torch.manual_seed(0)
+    model = WORKLOADS[name].model()
+    with SimulatedGPU(2**40) as gpu:
+        gpu.adopt(model)
+        parted, opt = _runner(model, name=name)
+        gpu.adopt(opt)
+        whole, _ = _runner(model, per_operator=False, name=name)
+        by_operator, by_phase = parted(8), whole(8)
+    assert by_operator.peak_bytes is not None
+    assert len(by_operator.parts) > 50  # one per operator dispatched, and a few more
+    assert max(by_operator.parts) == by_operator.peak_bytes == by_phase.peak_bytes
+    assert by_operator.phases == by_phase.phases
+    assert max(by_operator.phases) == by_operator.peak_bytes
+    assert by_phase.parts == ()
+
+
+def test_two_small_trials_give_the_whole_bent_curve() -> None:
+    """The MLP's peak grows faster at larger sizes (other operators take over): a line through
+    the peaks at 2 and 8 misses by half at 1000. The maximum of the operators' own lines
+    through the same two trials lands within a few samples."""
+    torch.manual_seed(0)
+    model = mlp()
+    with SimulatedGPU(2**40) as gpu:
+        gpu.adopt(model)
+        runner, opt = _runner(model)
+        gpu.adopt(opt)
+        small, larger, large = runner(2), runner(8), runner(1000)
+    assert large.peak_bytes is not None
+    assert small.peak_bytes is not None
+    assert larger.peak_bytes is not None
+    assert len(small.parts) == len(larger.parts) == len(large.parts)
+
+    def at_1000(a: int, b: int) -> float:
+        return a + (b - a) * (1000 - 2) / (8 - 2)
+
+    lines = max(at_1000(a, b) for a, b in zip(small.parts, larger.parts, strict=True))
+    whole = at_1000(small.peak_bytes, larger.peak_bytes)
+    assert whole < 0.6 * large.peak_bytes
+    assert abs(lines - large.peak_bytes) <= 4 * 5632  # a few samples of its ~5.5 KiB each
+
+
+def test_no_parts_without_statistics() -> None:
+    runner, _ = _runner(mlp())  # the plain CPU: no statistics, no peaks
+    outcome = runner(4)
+    assert (outcome.peak_bytes, outcome.parts, outcome.phases) == (None, (), ())
+
+
+def test_a_failing_trial_leaves_no_mode_or_hook_behind() -> None:
+    modes = len(_get_current_dispatch_mode_stack())
+    hooks = (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks))
+    model = mlp()
+    with SimulatedGPU("4MiB") as gpu:
+        gpu.adopt(model)
+        runner, opt = _runner(model)
+        gpu.adopt(opt)
+        assert runner(4).fits
+        inside = len(_get_current_dispatch_mode_stack())
+        failed = runner(100_000)
+        assert len(_get_current_dispatch_mode_stack()) == inside
+    assert not failed.fits
+    assert failed.parts == ()
+    assert len(_get_current_dispatch_mode_stack()) == modes
+    assert (len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)) == hooks
+
+
+def test_operators_that_change_with_the_size_change_the_parts() -> None:
+    """Another operator past 16 rows: the parts no longer line up (the search then fits the
+    phases, which do)."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = mlp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.body(x)
+            return out * 2 if x.shape[0] > 16 else out
+
+    model = Branchy()
+    with SimulatedGPU(2**40) as gpu:
+        gpu.adopt(model)
+        runner, opt = _runner(model)
+        gpu.adopt(opt)
+        small, large = runner(8), runner(32)
+    assert len(small.parts) != len(large.parts)
+    assert len(small.phases) == len(large.phases) == 2
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own imports
+def test_compiled_models_get_no_operator_parts() -> None:
+    """Compiled code runs eagerly under a dispatch mode: its memory would not be the compiled
+    step's, so a compiled model (or submodule) is measured by phases only."""
+    assert per_operator_possible(mlp())
+    compiled = torch.compile(mlp())
+    assert not per_operator_possible(compiled)
+    assert not per_operator_possible(nn.Sequential(compiled))
+    in_place = mlp()
+    in_place.compile()
+    assert not per_operator_possible(in_place)
