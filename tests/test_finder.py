@@ -327,7 +327,7 @@ def test_min_batch_fails_after_state_fits() -> None:
 def test_a_non_oom_failure_at_batch_one_surfaces_as_itself() -> None:
     model = nn.Linear(4, 2)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        find_max_batch(model, torch.randn(3, 5), torch.optim.SGD)
+        find_max_batch(model, torch.randn(3, 5), torch.optim.SGD, max_batch=64)
 
 
 def test_size_limit_errors_count_as_not_fitting_with_the_reason() -> None:
@@ -441,7 +441,7 @@ def test_bad_arguments_name_the_parameter() -> None:
     with pytest.raises(ValueError, match="meta device"):
         find_max_batch(mlp().to("meta"), x)
     with pytest.raises(TypeError, match="step_fn"):
-        find_max_batch(model, (x, x, x))
+        find_max_batch(model, (x, x, x), max_batch=64)
 
 
 def test_one_info_line_per_trial(caplog: pytest.LogCaptureFixture) -> None:
