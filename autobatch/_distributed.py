@@ -164,6 +164,11 @@ class GradientAverage:
         self.params = params
         self.group = group
         self.present = [int(p.grad is not None) for p in params]
+        if any(p.grad is not None and p.grad.layout != torch.strided for p in params):
+            raise AutobatchError(
+                "sparse gradients (e.g. nn.Embedding(sparse=True)) cannot be averaged by "
+                "autobatch across ranks; use retry_on_oom(sync_ranks=False) or dense gradients"
+            )
         self.staging: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         with _disable_current_modes():
             needed: dict[tuple[torch.dtype, torch.device], int] = {}

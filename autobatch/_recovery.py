@@ -75,7 +75,10 @@ from typing import Any, Generic, Literal, ParamSpec, TypeVar, cast, overload
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from autobatch import _distributed
@@ -784,7 +787,8 @@ class _Coordination:
         self.last = True  # the attempt's piece ends the batch (its backward is averaged)
         self.session: _Accumulation | None = None
         self.settled: list[int] | None = None  # the vote of this attempt that saw a failure
-        self.modules: dict[int, tuple[DistributedDataParallel, bool]] = {}
+        self.modules: dict[int, DistributedDataParallel] = {}  # DDP modules run this attempt
+        self.flags: list[tuple[DistributedDataParallel, bool]] = []  # forwards under way
         self.armed = False  # a DDP forward ran: average at the end of the next backward
         self.queued = False
         self.hooked: set[int] = set()  # DDP modules whose parameters carry our gradient hook
@@ -844,14 +848,19 @@ class _Coordination:
         self.settled = None
         self.active, self.last, self.session = True, last, session
         self.armed = self.queued = False
-        hook = register_module_forward_pre_hook(self._before_forward)
+        hooks = [
+            register_module_forward_pre_hook(self._before_forward),
+            register_module_forward_hook(self._after_forward, always_call=True),
+        ]
         try:
             yield
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
             self.active = self.armed = self.queued = False
             self.session = None
-            for module, flag in self.modules.values():
+            while self.flags:
+                module, flag = self.flags.pop()
                 module.require_backward_grad_sync = flag
             self.modules.clear()
 
@@ -877,17 +886,23 @@ class _Coordination:
                 f"{' and '.join(unsupported)}, which autobatch's gradient averaging would "
                 "bypass; use retry_on_oom(sync_ranks=False), or drop that option"
             )
-        if id(module) not in self.modules:
-            self.modules[id(module)] = (module, module.require_backward_grad_sync)
+        self.modules[id(module)] = module
+        wanted = module.require_backward_grad_sync  # False inside the user's own no_sync()
+        self.flags.append((module, wanted))
         if id(module) not in self.hooked:
             self.hooked.add(id(module))
             for p in module.module.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._gradient_ready)
-        module.require_backward_grad_sync = False  # autobatch averages after backward
-        self.armed = self.armed or self.last
+        module.require_backward_grad_sync = False  # for this forward: autobatch averages later
+        self.armed = self.armed or (self.last and wanted)  # where DDP would reduce, so do we
         if module.broadcast_buffers and any(True for _ in module.module.buffers()):
             self.checkpoint()  # DDP's forward begins with a collective (the buffers' broadcast)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(module, DistributedDataParallel) and self.flags:
+            owner, flag = self.flags.pop()
+            owner.require_backward_grad_sync = flag
 
     def _refuse(self, problem: str) -> None:
         if self.settled is None:
@@ -907,7 +922,7 @@ class _Coordination:
         if self.session is not None:
             self.session.merge()  # the earlier pieces' sums, for parameters the last one missed
         averages = []  # staging buffers first: an OOM here is still an ordinary, agreed one
-        for module, _ in self.modules.values():
+        for module in self.modules.values():
             ignored: set[str] = set(getattr(module, "parameters_to_ignore", ()))
             params = [
                 p for name, p in module.module.named_parameters()

@@ -301,3 +301,42 @@ def test_gradscaler_skips_the_step_on_every_rank_when_one_rank_overflows(tmp_pat
     # Under DDP alone the all-reduced gradients carry the inf to every rank; so must ours.
     results = run_ranks(_scaler_with_inf_on_one_rank, 2, tmp_path, timeout=60)
     assert results == [{"unchanged": True, "scale": 2.0}] * 2
+
+
+def _own_accumulation(rank: int) -> dict[str, Any]:
+    """The user's own gradient accumulation with DDP's no_sync(): autobatch reduces when DDP
+    would, once per optimizer step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict[str, Any] = {}
+    for guarded in (False, True):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        generator = torch.Generator().manual_seed(rank)
+        batches = [torch.randn(4, 8, generator=generator) for _ in range(6)]
+
+        def step(
+            batch: torch.Tensor, last: bool,
+            model: DistributedDataParallel = model, opt: torch.optim.Optimizer = opt,
+        ) -> None:
+            with contextlib.nullcontext() if last else model.no_sync():
+                model(batch).square().mean().backward()
+            if last:
+                opt.step()
+                opt.zero_grad()
+
+        run = autobatch.retry_on_oom(step) if guarded else step
+        for index, batch in enumerate(batches):
+            run(batch, index % 3 == 2)
+        out["guarded" if guarded else "plain"] = [
+            p.detach().flatten().tolist() for p in model.parameters()
+        ]
+    return out
+
+
+def test_users_own_no_sync_accumulation_is_respected(tmp_path: Path) -> None:
+    zero, one = run_ranks(_own_accumulation, 2, tmp_path, timeout=60)
+    assert zero["plain"] == one["plain"]
+    assert zero["guarded"] == one["guarded"]
+    torch.testing.assert_close(_flat(zero["guarded"]), _flat(zero["plain"]), rtol=1e-6, atol=1e-7)
