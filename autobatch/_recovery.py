@@ -917,8 +917,10 @@ class _Coordination:
             engine.queue_callback(self._after_backward)
 
     def _after_backward(self) -> None:
-        """End of the backward of a batch's last piece: agree, then average the gradients."""
-        self.armed = self.queued = False
+        """End of the backward of a batch's last piece: agree, then average the gradients (after
+        every such backward: averaging gradients that are already equal on every rank again
+        changes nothing, and a second backward adds new ones)."""
+        self.queued = False
         if self.session is not None:
             self.session.merge()  # the earlier pieces' sums, for parameters the last one missed
         averages = []  # staging buffers first: an OOM here is still an ordinary, agreed one
