@@ -340,3 +340,45 @@ def test_users_own_no_sync_accumulation_is_respected(tmp_path: Path) -> None:
     assert zero["plain"] == one["plain"]
     assert zero["guarded"] == one["guarded"]
     torch.testing.assert_close(_flat(zero["guarded"]), _flat(zero["plain"]), rtol=1e-6, atol=1e-7)
+
+
+def _ddp_batchnorm(rank: int) -> dict[str, Any]:
+    """A conv net with BatchNorm: DDP broadcasts its buffers at the start of every forward, a
+    collective the ranks must reach together even after an OOM on one of them."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from autobatch.testing import inject_oom
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(WORKLOADS["conv"].model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    batches = [
+        (torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+        for _ in range(3)
+    ]
+
+    @autobatch.retry_on_oom(optimizer=opt)
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        opt.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BatchNorm in micro-batches
+        for index, batch in enumerate(batches):
+            phase = {0: "forward", 1: "backward"}.get(index) if rank == 1 else None
+            with inject_oom(phase=phase) if phase else contextlib.nullcontext():
+                step(batch)
+    # (buffers are not compared: each rank's last forward updates its own running statistics,
+    # which DDP replaces by rank 0's at the start of the next forward)
+    params = [p.detach().double().flatten().tolist() for p in model.parameters()]
+    return {"params": params, "ooms": step.stats.ooms}
+
+
+def test_ddp_with_buffers_recovers_and_keeps_ranks_identical(tmp_path: Path) -> None:
+    zero, one = run_ranks(_ddp_batchnorm, 2, tmp_path, timeout=60)
+    assert zero["params"] == one["params"]
+    assert one["ooms"] >= 1
