@@ -98,6 +98,8 @@ def side_group() -> dist.ProcessGroup:
     world = dist.group.WORLD
     key = id(world)
     group = _SIDE_GROUPS.get(key)
+    if group is not None and group not in distributed_c10d._world.pg_map:
+        group = None  # destroyed with an earlier default group (whose id was reused)
     if group is None:
         with _disable_current_modes():
             made = dist.new_group(backend="gloo", timeout=_default_timeout())
