@@ -1,12 +1,26 @@
 """Every check that needs a real GPU, in one run, printed as tables.
 
-    python benchmarks/gpu_check.py            # on a CUDA/ROCm machine
+    python benchmarks/gpu_check.py            # on a CUDA/ROCm machine (a few minutes on an H200)
     python benchmarks/gpu_check.py --dry-run  # the same checks on a SimulatedGPU (CPU), to test it
 
 1. find_max_batch under ``torch.cuda.set_per_process_memory_fraction`` caps: the answer fits for
    two real steps, the next size does not, and allocated memory after the search equals before.
 2. plan_max_batch against ``torch.cuda.max_memory_allocated`` of the same real step (goal: 5%).
-3. The simulator's peak (CPU) against the GPU's peak for the same step.
+3. The simulator's peak (CPU) against the GPU's peak for the same steady-state AdamW step
+   (``foreach=True`` on both sides, the GPU's default): the bytes resident before the step, the
+   peak, and the step's own part (peak less resident). In the dry run both sides are simulated,
+   so the difference must be 0: it checks the script's copying and adopting, not the simulator.
+4. The guard on a real OOM: under a cap halfway between what a small piece needs (the model, its
+   optimizer state (SGD with momentum), the batches, two sets of gradients) and what a whole
+   batch needs, a few steps of ``@retry_on_oom(optimizer=opt)`` inside ``oom_guard``: the OOMs,
+   the micro-batch size, the parameters against the same steps without a cap (allclose, and the
+   difference relative to the update), allocated memory after the loop against before, and
+   whether ``is_oom_error`` recognises the error the allocator raises for a step at twice the
+   batch. Models run in eval mode (no dropout; BatchNorm's running statistics), so that a
+   batch's pieces add up to it.
+5. What the finder's recording costs: one steady-state step timed bare, inside
+   ``_StepPeaks(per_operator=False)`` (the two phases) and inside ``_StepPeaks(per_operator=True)``
+   (a peak per dispatched operator), and how many operators were recorded.
 The process's memory fraction is a setting of this process's allocator, not of the card.
 """
 
@@ -14,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,7 +39,8 @@ import torch
 from torch import nn
 
 import autobatch
-from autobatch._backends import memory_for
+from autobatch._backends import DeviceMemory, memory_for
+from autobatch._trial import _StepPeaks, prime_optimizer
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import TinyTransformer, conv_net, mlp
 
@@ -70,6 +87,34 @@ def _capped(device: torch.device, capacity: int, dry_run: bool) -> Iterator[Any]
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _measured(device: torch.device, dry_run: bool) -> Iterator[Any]:
+    """The device as it is, uncapped: the GPU itself, or a simulator too large to fill."""
+    if dry_run:
+        with SimulatedGPU(2**40) as gpu:
+            yield gpu
+    else:
+        yield None
+
+
+def _trainer(
+    template: nn.Module,
+    device: torch.device,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+    **options: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A copy of ``template`` on ``device`` and an optimizer (AdamW unless told) for it."""
+    model = copy.deepcopy(template).to(device)
+    return model, optimizer(model.parameters(), **options)
+
+
+#: Check 4's optimizer. Not AdamW: Adam turns the rounding noise of a gradient that is zero in
+#: theory (an attention key bias: softmax ignores it) into a whole step of lr, so parameters
+#: after Adam differ by about lr whether or not the pieces add up. SGD with momentum keeps state
+#: and is linear in the gradients, so its parameters differ by rounding only.
+GUARD_OPTIMIZER: dict[str, Any] = {"optimizer": torch.optim.SGD, "lr": 0.1, "momentum": 0.9}
 
 
 def _two_steps_fit(
@@ -142,7 +187,7 @@ def check_planner(device: torch.device, dry_run: bool, workloads: Workloads) -> 
             planned = max(peak for size, peak in plan.points if size == n)
             x, y = (t.to(device) for t in sample(n))
             _step(model, opt, x, y)  # the optimizer state exists: steady state, as planned
-            with _capped(device, 2**40, dry_run) if dry_run else contextlib.nullcontext() as gpu:
+            with _measured(device, dry_run) as gpu:
                 if gpu is not None:
                     gpu.adopt(model, opt, x, y)
                 memory = memory_for(device)
@@ -161,6 +206,261 @@ def check_planner(device: torch.device, dry_run: bool, workloads: Workloads) -> 
     return rows
 
 
+def _steady_peak(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, gpu: Any
+) -> tuple[int, int]:
+    """Bytes allocated before one steady-state step (after a step that made the optimizer
+    state), and that step's peak, as the backend of ``x``'s device reports them."""
+    if gpu is not None:
+        gpu.adopt(model, opt, x, y)
+    memory = memory_for(x.device)
+    _step(model, opt, x, y)
+    memory.synchronize()
+    resident = memory.allocated_bytes()
+    memory.reset_peak()
+    _step(model, opt, x, y)
+    memory.synchronize()
+    return resident, memory.peak_bytes()
+
+
+def check_simulator(
+    device: torch.device, dry_run: bool, workloads: Workloads, sizes: tuple[int, ...] = (8, 64)
+) -> list[str]:
+    rows = [
+        "| model | batch | resident: GPU | simulator | peak: GPU | simulator | peak difference "
+        "| step's own: GPU | simulator | difference |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cpu = torch.device("cpu")
+    for name, (make, sample) in workloads.items():
+        torch.manual_seed(0)
+        template = make()
+        for n in sizes:
+            x, y = sample(n)
+            # the device: what it holds already (other checks' leftovers, a cuBLAS workspace) is
+            # not this step's; the dry run's "device" is a simulator as well
+            base = memory_for(device).allocated_bytes()
+            model, opt = _trainer(template, device, foreach=True)
+            with _measured(device, dry_run) as gpu:
+                resident, peak = _steady_peak(model, opt, x.to(device), y.to(device), gpu)
+            resident, peak = resident - base, peak - base
+            del model, opt
+            autobatch.free_memory()
+            model, opt = _trainer(template, cpu, foreach=True)
+            with SimulatedGPU(2**40) as gpu:
+                sim_resident, sim_peak = _steady_peak(model, opt, x, y, gpu)
+            del model, opt, x, y
+            step, sim_step = peak - resident, sim_peak - sim_resident
+            rows.append(
+                f"| {name} | {n} | {resident / 2**20:.1f} MiB | {sim_resident / 2**20:.1f} MiB | "
+                f"{peak / 2**20:.1f} MiB | {sim_peak / 2**20:.1f} MiB | "
+                f"{(sim_peak - peak) / peak * 100:+.1f}% | {step / 2**20:.1f} MiB | "
+                f"{sim_step / 2**20:.1f} MiB | {(sim_step - step) / max(step, 1) * 100:+.1f}% |"
+            )
+        autobatch.free_memory()
+    return rows
+
+
+def _phase_peaks(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+    memory: DeviceMemory,
+) -> tuple[int, int, int]:
+    """One plain step from no gradients: (allocated before it, its peak outside
+    ``optimizer.step``, its peak inside)."""
+    model.zero_grad(set_to_none=True)
+    memory.synchronize()
+    resident = memory.allocated_bytes()
+    memory.reset_peak()
+    peaks = _StepPeaks(memory, per_operator=False)
+    with peaks:
+        _step(model, opt, x, y)
+        memory.synchronize()
+    outside, inside = peaks.phases()
+    return resident, outside, inside
+
+
+def _guard_batch(
+    template: nn.Module, sample: Callable[[int], Any], device: torch.device, dry_run: bool,
+    target: int,
+) -> tuple[int, int]:
+    """What a step adds to the model and its optimizer state whatever the size (the gradients,
+    mostly), and a power of two near the batch size whose rows add ``target`` bytes more, or
+    four times that fixed part if more (a straight line through the steps at 16 and 64)."""
+    model, opt = _trainer(template, device, **GUARD_OPTIMIZER)
+    prime_optimizer(opt)
+    costs = []
+    with _measured(device, dry_run) as gpu:
+        if gpu is not None:
+            gpu.adopt(model, opt)
+        for n in (16, 64):
+            x, y = (t.to(device) for t in sample(n))
+            resident, outside, _ = _phase_peaks(model, opt, x, y, memory_for(device))
+            costs.append(outside - resident)
+            del x, y
+    del model, opt
+    autobatch.free_memory()
+    per_row = max((costs[1] - costs[0]) / 48, 1.0)
+    fixed = max(costs[0] - 16 * per_row, 0.0)
+    rows = max(target, 4 * fixed) / per_row
+    return int(fixed), int(min(2 ** int(math.log2(max(rows, 16))), 2**14))
+
+
+def _real_oom(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[str, bool]:
+    """Forward and backward at twice ``batch``, which cannot fit: the type of the error raised,
+    and whether :func:`autobatch.is_oom_error` recognises it."""
+    kind, recognised = "no error", False
+    try:
+        x, y = (torch.cat([t, t]) for t in batch)
+        CE(model(x), y).backward()
+    except Exception as error:
+        kind, recognised = type(error).__name__, autobatch.is_oom_error(error)
+    model.zero_grad(set_to_none=True)
+    return kind, recognised
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    """Every parameter, in host memory, as one vector."""
+    return torch.cat([p.detach().to("cpu", copy=True).flatten() for p in model.parameters()])
+
+
+def _guarded_steps(
+    model: nn.Module, opt: torch.optim.Optimizer, loader: list[tuple[torch.Tensor, ...]]
+) -> tuple[autobatch.RecoveryStats, int | None]:
+    """One pass over ``loader`` with a decorated step inside the guard: the step's statistics
+    and the guard's micro-batch size."""
+
+    @autobatch.retry_on_oom(optimizer=opt)
+    def train_step(batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = CE(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    with autobatch.oom_guard(loader) as guard:
+        for batch in guard:
+            train_step(batch)
+    return train_step.stats, guard.stats.micro_batch_size
+
+
+def check_guard(
+    device: torch.device, dry_run: bool, workloads: Workloads, steps: int = 3
+) -> list[str]:
+    rows = [
+        "| model | batch | cap | OOMs | micro-batch | params allclose to uncapped, rtol 1e-3 atol "
+        "1e-5 (max abs diff) | update difference (rounding: < 1e-3) | memory after == before "
+        "| error at 2x batch | is_oom_error | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    target = 2**24 if dry_run else 2**30  # what a whole batch's rows add
+    for name, (make, sample) in workloads.items():
+        torch.manual_seed(0)
+        template = make().eval()  # no dropout, BatchNorm's running statistics: pieces add up
+        fixed, n = _guard_batch(template, sample, device, dry_run, target)
+        torch.manual_seed(1)
+        batches = [sample(n) for _ in range(steps)]
+
+        # the reference: whole batches, no cap; its peaks size the cap
+        initial = _flat(template)
+        model, opt = _trainer(template, device, **GUARD_OPTIMIZER)
+        prime_optimizer(opt)
+        loader = [tuple(t.to(device) for t in batch) for batch in batches]
+        resident = outside = inside = 0
+        with _measured(device, dry_run) as gpu:
+            if gpu is not None:
+                gpu.adopt(model, opt, loader)
+            for x, y in loader:
+                resident, o, i = _phase_peaks(model, opt, x, y, memory_for(device))
+                outside, inside = max(outside, o), max(inside, i)
+        expected = _flat(model)
+        del model, opt, loader, x, y
+        autobatch.free_memory()
+        # halfway from what any piece needs (its gradients next to those accumulated so far)
+        # to what the whole batch needs, and above the optimizer step's own peak
+        cap = max((resident + 2 * fixed + outside) // 2, (inside + outside) // 2)
+        if not inside < cap < outside:
+            rows.append(f"| {name} | {n} | no cap holds a piece's step but not the batch's |")
+            continue
+
+        model, opt = _trainer(template, device, **GUARD_OPTIMIZER)
+        prime_optimizer(opt)
+        loader = [tuple(t.to(device) for t in batch) for batch in batches]
+        autobatch.free_memory()  # an empty cache: the cap limits what the allocator reserves
+        with _capped(device, cap, dry_run) as gpu:
+            if gpu is not None:
+                gpu.adopt(model, opt, loader)
+            memory = memory_for(device)
+            before = memory.allocated_bytes()
+            start = time.perf_counter()
+            stats, micro = _guarded_steps(model, opt, loader)
+            memory.synchronize()
+            seconds = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            after = memory.allocated_bytes()
+            got = _flat(model)
+            kind, recognised = _real_oom(model, loader[0])
+            autobatch.free_memory()
+        same = torch.allclose(got, expected, rtol=1e-3, atol=1e-5)
+        # a piece lost or counted twice moves the update by a tenth or more; rounding, far less
+        relative = float((got - expected).norm() / (expected - initial).norm())
+        rows.append(
+            f"| {name} | {n} | {cap / 2**20:.1f} MiB | {stats.ooms} | {micro} | "
+            f"{same} ({float((got - expected).abs().max()):.1e}) | {relative:.1e} | "
+            f"{after == before} | {kind} | {recognised} | {seconds:.1f} |"
+        )
+        del model, opt, loader
+        autobatch.free_memory()
+    return rows
+
+
+def check_recording_cost(
+    device: torch.device, dry_run: bool, workloads: Workloads, n: int = 64, repeats: int = 5
+) -> list[str]:
+    rows = [
+        "| model | batch | step | with phases | ratio | with per-operator peaks | ratio "
+        "| operators |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (make, sample) in workloads.items():
+        torch.manual_seed(0)
+        model = make().to(device)
+        opt = torch.optim.AdamW(model.parameters())
+        x, y = (t.to(device) for t in sample(n))
+        _step(model, opt, x, y)  # the optimizer state exists: steady state, as in a trial
+        best: dict[bool | None, float] = {None: math.inf, False: math.inf, True: math.inf}
+        operators = 0
+        with _measured(device, dry_run) as gpu:
+            if gpu is not None:
+                gpu.adopt(model, opt, x, y)
+            memory = memory_for(device)
+            for round_ in range(repeats + 1):  # round 0 warms up; the variants take turns
+                for per_operator in best:
+                    recorder: contextlib.AbstractContextManager[Any] = (
+                        contextlib.nullcontext() if per_operator is None
+                        else _StepPeaks(memory, per_operator=per_operator)
+                    )
+                    memory.synchronize()
+                    start = time.perf_counter()
+                    with recorder:
+                        _step(model, opt, x, y)
+                        memory.synchronize()
+                    seconds = time.perf_counter() - start
+                    if round_:
+                        best[per_operator] = min(best[per_operator], seconds)
+                    if isinstance(recorder, _StepPeaks) and recorder.per_operator:
+                        operators = len(recorder.parts())
+        plain, phases, each = (best[k] * 1e3 for k in (None, False, True))
+        rows.append(
+            f"| {name} | {n} | {plain:.2f} ms | {phases:.2f} ms | {phases / plain:.2f}x | "
+            f"{each:.2f} ms | {each / plain:.2f}x | {operators} |"
+        )
+        model.zero_grad(set_to_none=True)
+        del model, opt, x, y
+        autobatch.free_memory()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="run on a SimulatedGPU (CPU)")
@@ -170,12 +470,21 @@ def main() -> None:
         return
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     where = "SimulatedGPU (dry run)" if args.dry_run else torch.cuda.get_device_name(device)
-    print(f"# GPU checks on {where}, torch {torch.__version__}\n")
-    print("## find_max_batch under memory caps\n")
+    print(f"# GPU checks on {where}, torch {torch.__version__}")
     workloads = DRY_WORKLOADS if args.dry_run else GPU_WORKLOADS
-    print("\n".join(check_finder(device, args.dry_run, workloads)))
-    print("\n## plan_max_batch vs measured peak\n")
-    print("\n".join(check_planner(device, args.dry_run, workloads)))
+    checks: list[tuple[str, Callable[[torch.device, bool, Workloads], list[str]]]] = [
+        ("1. find_max_batch under memory caps", check_finder),
+        ("2. plan_max_batch vs measured peak", check_planner),
+        ("3. SimulatedGPU (CPU) vs the GPU, one steady-state AdamW step", check_simulator),
+        ("4. retry_on_oom + oom_guard on a real OOM", check_guard),
+        ("5. Cost of recording peaks during a trial (min of 5 steps)", check_recording_cost),
+    ]
+    for title, check in checks:
+        start = time.perf_counter()
+        rows = check(device, args.dry_run, workloads)
+        print(f"\n## {title}\n")
+        print("\n".join(rows))
+        print(f"\n({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":
