@@ -1,0 +1,44 @@
+"""The GPU check script stays runnable: its dry run (a SimulatedGPU on the CPU) passes every check."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+
+
+def _table(text: str, heading: str) -> list[dict[str, str]]:
+    """The rows of the first markdown table under ``heading``, keyed by column."""
+    lines = text[text.index(heading):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows: list[list[str]] = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    header, body = rows[0], rows[2:]
+    return [dict(zip(header, row, strict=True)) for row in body]
+
+
+def test_gpu_check_dry_run_passes_every_check() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    finder = _table(out, "## 1.")
+    assert finder
+    assert {(r["n fits"], r["n+1 fails"], r["memory after == before"]) for r in finder} == {
+        ("True", "True", "True")
+    }
+    guard = _table(out, "## 4.")
+    assert guard
+    for row in guard:
+        assert row["OOMs"] != "0", row
+        assert row["memory after == before"] == "True", row
+        assert row["is_oom_error"] == "True", row
+        assert next(v for k, v in row.items() if k.startswith("params allclose")).startswith("True")
+    for heading in ("## 2.", "## 3.", "## 5."):
+        assert _table(out, heading), heading
