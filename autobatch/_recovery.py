@@ -167,7 +167,8 @@ class RecoveryStats:
     0
 
     Args:
-        ooms: out-of-memory errors caught (each one retried at a smaller size, or reported).
+        ooms: out-of-memory errors caught (each one retried at a smaller size, or reported);
+            under a process group, also attempts stopped because another rank ran out.
         shrinks: size decreases (after an OOM or a failed grow).
         grows: attempts to use a larger size (``grow_after``).
         failed_grows: grow attempts that ran out of memory and went back.
