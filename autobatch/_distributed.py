@@ -9,11 +9,13 @@ flight.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from autobatch._errors import AutobatchError
 
@@ -226,3 +228,36 @@ class GradientAverage:
             dist.all_reduce(chunk, group=self.group)
         for target, at, length in segments:
             target.copy_(buffer[at : at + length])
+
+
+class CollectiveGate(TorchDispatchMode):
+    """A dispatch mode that calls ``before()`` ahead of every collective dispatched while it is
+    active (a ``c10d`` operator: an all-reduce in the user's step, SyncBatchNorm's gathers),
+    unless ``skip()`` says the collective is accounted for elsewhere. ``before`` runs only if
+    an operator that allocates (not in place) ran since it last ran: a run of in-place
+    collectives (e.g. one all-reduce per gradient) is agreed once. ``seen`` says whether any
+    collective went through.
+
+    Collectives autobatch issues itself run outside every dispatch mode, so they never pass.
+    """
+
+    def __init__(self, before: Callable[[], object], skip: Callable[[], bool]) -> None:
+        super().__init__()
+        self.before = before
+        self.skip = skip
+        self.seen = False
+        self.allocated = True
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            if not self.skip():
+                self.seen = True
+                if self.allocated:
+                    self.allocated = False
+                    self.before()
+        elif not func.overloadpacket.__name__.endswith("_") and "out" not in func._overloadname:
+            self.allocated = True
+        return func(*args, **kwargs)

@@ -732,6 +732,8 @@ def _combine(pieces: list[tuple[int, Any]], total: int, reduction: Reduction) ->
 
 #: How often a first ``optimizer.step()`` that ran out of memory is tried under a process group.
 STEP_TRIES = 3
+#: Attempts watched for collectives of the step's own; where none was seen, no gate after them.
+GATE_ATTEMPTS = 4
 
 
 class _PeerFailed(AutobatchError):
@@ -794,6 +796,9 @@ class _Coordination:
         self.queued = False
         self.hooked: set[int] = set()  # DDP modules whose parameters carry our gradient hook
         self.patched: _Patch | None = None
+        self.inside_ddp = 0  # DDP forwards under way (their collectives are agreed before them)
+        self.watched = 0  # attempts run with the collective gate
+        self.collectives = False  # the step issues collectives of its own
 
     # Votes ------------------------------------------------------------------------------------
 
@@ -853,11 +858,19 @@ class _Coordination:
             register_module_forward_pre_hook(self._before_forward),
             register_module_forward_hook(self._after_forward, always_call=True),
         ]
+        gate = None
+        if self.collectives or self.watched < GATE_ATTEMPTS:
+            gate = _distributed.CollectiveGate(self.checkpoint, lambda: self.inside_ddp > 0)
+            self.watched += 1
         try:
-            yield
+            with gate if gate is not None else contextlib.nullcontext():
+                yield
         finally:
+            if gate is not None and gate.seen:
+                self.collectives = True
             for hook in hooks:
                 hook.remove()
+            self.inside_ddp = 0
             self.active = self.armed = self.queued = False
             self.session = None
             while self.flags:
@@ -899,11 +912,13 @@ class _Coordination:
         self.armed = self.armed or (self.last and wanted)  # where DDP would reduce, so do we
         if module.broadcast_buffers and any(True for _ in module.module.buffers()):
             self.checkpoint()  # DDP's forward begins with a collective (the buffers' broadcast)
+        self.inside_ddp += 1
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if isinstance(module, DistributedDataParallel) and self.flags:
             owner, flag = self.flags.pop()
             owner.require_backward_grad_sync = flag
+            self.inside_ddp = max(self.inside_ddp - 1, 0)
 
     def _refuse(self, problem: str) -> None:
         if self.settled is None:

@@ -382,3 +382,48 @@ def test_ddp_with_buffers_recovers_and_keeps_ranks_identical(tmp_path: Path) -> 
     zero, one = run_ranks(_ddp_batchnorm, 2, tmp_path, timeout=60)
     assert zero["params"] == one["params"]
     assert one["ooms"] >= 1
+
+
+def _manual_all_reduce(rank: int, phase: str) -> dict[str, Any]:
+    """No DDP: the step averages the gradients itself with dist.all_reduce. An OOM on rank 1
+    must not leave rank 0 waiting in that all-reduce."""
+    import torch.distributed as dist
+
+    from autobatch.testing import inject_oom
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(8, 8, generator=generator) for _ in range(3)]
+
+    def step(batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+        for p in model.parameters():
+            if p.grad is not None:  # (none in the early micro-batches of an accumulated batch)
+                dist.all_reduce(p.grad)
+                p.grad.div_(2)
+        opt.step()
+
+    out: dict[str, Any] = {}
+    for name in ("plain", "guarded"):
+        torch.manual_seed(0)
+        model.load_state_dict(
+            nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).state_dict()
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        run = autobatch.retry_on_oom(step, optimizer=opt) if name == "guarded" else step
+        for index, batch in enumerate(batches):
+            inject = name == "guarded" and rank == 1 and index == 1
+            with inject_oom(phase=phase) if inject else contextlib.nullcontext():
+                run(batch)
+        out[name] = [p.detach().flatten().tolist() for p in model.parameters()]
+    return out
+
+
+def test_the_steps_own_collectives_are_agreed_before_they_run(tmp_path: Path) -> None:
+    for phase in ("forward", "backward"):
+        zero, one = run_ranks(_manual_all_reduce, 2, tmp_path, phase, timeout=60, pg_timeout=20)
+        assert zero["guarded"] == one["guarded"], phase
+        torch.testing.assert_close(_flat(zero["guarded"]), _flat(zero["plain"]), rtol=1e-5, atol=1e-6)
