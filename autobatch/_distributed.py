@@ -1,9 +1,10 @@
 """Agreement between ranks under torch.distributed: every decision about sizes is collective.
 
-Each helper is a no-op without an initialised process group of more than one rank. The
-collectives use the process group's own backend (gloo on CPU tensors, nccl on the current CUDA
-device) and are issued between trials, never while the model's own collectives may be in
-flight.
+The finder's helpers (:func:`all_max`, :func:`all_min`, :func:`failed_ranks`) are no-ops without
+an initialised process group of more than one rank; they use the default group's own backend
+(gloo on CPU tensors, nccl on the current CUDA device) between trials, never while the model's
+own collectives may be in flight. The guard's (:func:`vote`, :func:`agree_min`,
+:func:`agree_max`) run inside a training step, on a side gloo group of their own.
 """
 
 from __future__ import annotations
@@ -30,22 +31,22 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def world_size() -> int:
-    """The number of ranks (1 without a process group)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _reduce(values: list[int], op: dist.ReduceOp.RedOpType) -> list[int]:
+def _reduce(
+    values: list[int], op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None = None
+) -> list[int]:
+    """``values`` reduced element-wise over the ranks of ``group`` (default: the default group,
+    on its backend's device; a side group is gloo, on the CPU)."""
     # Outside any dispatch mode: a simulated GPU must not count (or fail on) the message.
     with _disable_current_modes():
-        tensor = torch.tensor(values, dtype=torch.int64, device=_device())
-        dist.all_reduce(tensor, op=op)
+        device = _device() if group is None else torch.device("cpu")
+        tensor = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=op, group=group)
         return [int(v) for v in tensor.tolist()]
 
 
@@ -73,7 +74,7 @@ def failed_ranks(failed: bool) -> list[int]:
 #: What a rank reports at an agreement point, in increasing severity (the maximum wins).
 OK, OOM, FAILED = 0, 1, 2
 
-_SIDE_GROUPS: dict[int, dist.ProcessGroup] = {}
+_SIDE_GROUP: list[tuple[int, dist.ProcessGroup]] = []  # (id of the default group, side group)
 
 
 def _default_timeout() -> datetime.timedelta:
@@ -97,18 +98,17 @@ def side_group() -> dist.ProcessGroup:
     Its messages are a few integers on the CPU: no device synchronisation, and never queued
     behind (or between) the model's own collectives on the default group.
     """
-    world = dist.group.WORLD
-    key = id(world)
-    group = _SIDE_GROUPS.get(key)
-    if group is not None and group not in distributed_c10d._world.pg_map:
-        group = None  # destroyed with an earlier default group (whose id was reused)
-    if group is None:
-        with _disable_current_modes():
-            made = dist.new_group(backend="gloo", timeout=_default_timeout())
-        assert made is not None  # every rank is a member
-        _SIDE_GROUPS.clear()  # a group of an earlier, destroyed default group is useless
-        group = _SIDE_GROUPS[key] = made
-    return group
+    key = id(dist.group.WORLD)
+    if _SIDE_GROUP:
+        made_for, group = _SIDE_GROUP[0]
+        # (a default group destroyed since may have left its id to this one)
+        if made_for == key and group in distributed_c10d._world.pg_map:
+            return group
+    with _disable_current_modes():
+        made: dist.ProcessGroup | None = dist.new_group(backend="gloo", timeout=_default_timeout())
+    assert made is not None  # every rank is a member
+    _SIDE_GROUP[:] = [(key, made)]
+    return made
 
 
 def vote(code: int, flag: bool = False) -> tuple[list[int], bool]:
@@ -121,33 +121,24 @@ def vote(code: int, flag: bool = False) -> tuple[list[int], bool]:
     values = [0] * (world + 1)
     values[rank()] = code
     values[world] = int(flag)
-    with _disable_current_modes():
-        tensor = torch.tensor(values, dtype=torch.int64)
-        try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=side_group())
-        except RuntimeError as error:
-            raise AutobatchError(
-                f"rank {rank()}: the other ranks did not reach the same point of the step within "
-                f"the process group's timeout ({error}); a rank is stuck or has died"
-            ) from error
-        agreed = [int(v) for v in tensor.tolist()]
-        return agreed[:world], bool(agreed[world])
+    try:
+        agreed = _reduce(values, dist.ReduceOp.MAX, side_group())
+    except RuntimeError as error:
+        raise AutobatchError(
+            f"rank {rank()}: the other ranks did not reach the same point of the step within "
+            f"the process group's timeout ({error}); a rank is stuck or has died"
+        ) from error
+    return agreed[:world], bool(agreed[world])
 
 
 def agree_max(values: list[int]) -> list[int]:
     """Element-wise maximum over ranks, on the side group."""
-    with _disable_current_modes():
-        tensor = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=side_group())
-        return [int(v) for v in tensor.tolist()]
+    return _reduce(values, dist.ReduceOp.MAX, side_group())
 
 
 def agree_min(values: list[int]) -> list[int]:
     """Element-wise minimum over ranks, on the side group (a decision every rank then shares)."""
-    with _disable_current_modes():
-        tensor = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=side_group())
-        return [int(v) for v in tensor.tolist()]
+    return _reduce(values, dist.ReduceOp.MIN, side_group())
 
 
 #: The largest staging buffer for averaging gradients (DDP's default bucket size).

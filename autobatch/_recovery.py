@@ -796,7 +796,6 @@ class _Coordination:
         self.queued = False
         self.hooked: set[int] = set()  # DDP modules whose parameters carry our gradient hook
         self.patched: _Patch | None = None
-        self.inside_ddp = 0  # DDP forwards under way (their collectives are agreed before them)
         self.watched = 0  # attempts run with the collective gate
         self.collectives = False  # the step issues collectives of its own
 
@@ -829,7 +828,7 @@ class _Coordination:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank."""
-        return _distributed.agree_min([-int(flag)])[0] < 0
+        return _distributed.agree_max([int(flag)])[0] > 0
 
     def piece(self, n: int, total: int) -> int:
         """The piece size every rank takes: the smallest proposed (batches must be equal)."""
@@ -860,7 +859,8 @@ class _Coordination:
         ]
         gate = None
         if self.collectives or self.watched < GATE_ATTEMPTS:
-            gate = _distributed.CollectiveGate(self.checkpoint, lambda: self.inside_ddp > 0)
+            # (a DDP forward under way has its collectives agreed before it: see _before_forward)
+            gate = _distributed.CollectiveGate(self.checkpoint, lambda: bool(self.flags))
             self.watched += 1
         try:
             with gate if gate is not None else contextlib.nullcontext():
@@ -870,7 +870,6 @@ class _Coordination:
                 self.collectives = True
             for hook in hooks:
                 hook.remove()
-            self.inside_ddp = 0
             self.active = self.armed = self.queued = False
             self.session = None
             while self.flags:
@@ -912,13 +911,11 @@ class _Coordination:
         self.armed = self.armed or (self.last and wanted)  # where DDP would reduce, so do we
         if module.broadcast_buffers and any(True for _ in module.module.buffers()):
             self.checkpoint()  # DDP's forward begins with a collective (the buffers' broadcast)
-        self.inside_ddp += 1
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if isinstance(module, DistributedDataParallel) and self.flags:
             owner, flag = self.flags.pop()
             owner.require_backward_grad_sync = flag
-            self.inside_ddp = max(self.inside_ddp - 1, 0)
 
     def _refuse(self, problem: str) -> None:
         if self.settled is None:

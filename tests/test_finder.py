@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from _models import Branchy
 from torch import nn
 
 import autobatch
@@ -94,15 +95,6 @@ def test_exact_in_at_most_six_trials_and_three_times_the_samples(name: str, targ
 def test_operators_that_change_with_the_size_fall_back_to_the_phases() -> None:
     """A model that runs another operator past some batch size: the trials' parts do not line
     up, so the search fits the phases (or the whole step), and is still exact."""
-
-    class Branchy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = mlp()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.body(x)
-            return out * 2 if x.shape[0] > 16 else out
 
     torch.manual_seed(0)
     model = Branchy()

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _models import Branchy
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -107,15 +108,6 @@ def test_a_failing_trial_leaves_no_mode_or_hook_behind() -> None:
 def test_operators_that_change_with_the_size_change_the_parts() -> None:
     """Another operator past 16 rows: the parts no longer line up (the search then fits the
     phases, which do)."""
-
-    class Branchy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.body = mlp()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.body(x)
-            return out * 2 if x.shape[0] > 16 else out
 
     model = Branchy()
     with SimulatedGPU(2**40) as gpu:
