@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from autobatch._backends import free_memory
+from autobatch._batch import per_batch
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import SearchResult, find_max_batch, search_batch_size
 from autobatch._oom import is_oom_error, is_size_limit_error
@@ -30,6 +31,7 @@ __all__ = [
     "is_oom_error",
     "is_size_limit_error",
     "oom_guard",
+    "per_batch",
     "plan_max_batch",
     "retry_on_oom",
     "search_batch_size",

@@ -147,7 +147,7 @@ class CountingMode(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         peak_before = self.ledger.peak_bytes
-        out = func(*args, **kwargs)
+        out = call_keeping_versions(func, args, kwargs)
         added = self._count(func, out, args, kwargs)
         if added > 0 and self.check is not None:
             error = self.check(added)
@@ -193,6 +193,59 @@ class CountingMode(TorchDispatchMode):
 # ``torch.tensor(data)`` builds its tensor below the dispatcher and hands it to ``lift_fresh``:
 # the input of that operator is a new allocation, not a tensor that existed before.
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an operator writes to in place, as its schema says (cached per operator)."""
+    where = _WRITTEN.get(func)
+    if where is None:
+        schema = getattr(func, "_schema", None)
+        where = _WRITTEN[func] = tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments if schema is not None else ())
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    found: list[torch.Tensor] = []
+    for index, name in where:
+        value = args[index] if index < len(args) else kwargs.get(name)
+        found += _tensors((value,))
+    return found
+
+
+def call_keeping_versions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` from inside a dispatch mode, with the version counters of the
+    tensors it writes bumped as they are outside one.
+
+    Below a Python dispatch mode, in-place ``_foreach_*`` operators (the optimizers' default
+    path) write without counting a modification, where outside one they count it; code that
+    tells from version counters whether an optimizer step began changing the parameters would
+    then be misled by the mode itself. (Other in-place operators count it after the mode
+    returns, and ``_fused_*`` ones never do: both are left as they are.)
+    """
+    written = _written(func, args, kwargs) if _is_foreach_write(func) else []
+    if not written:
+        return func(*args, **kwargs)
+    versions = [t._version for t in written]
+    out = func(*args, **kwargs)
+    stale = [t for t, v in zip(written, versions, strict=True) if t._version == v]
+    if stale:
+        torch._C._increment_version(stale)
+    return out
+
+
+_FOREACH_WRITE: dict[Any, bool] = {}
+
+
+def _is_foreach_write(func: Any) -> bool:
+    found = _FOREACH_WRITE.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = _FOREACH_WRITE[func] = (
+            schema is not None and schema.name.startswith("aten::_foreach_") and schema.is_mutable
+        )
+    return found
 
 
 _MUTABLE: dict[Any, bool] = {}

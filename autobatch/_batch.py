@@ -5,11 +5,15 @@ as Hugging Face's ``BatchEncoding``), named tuples, dataclass instances, tuples 
 leaves are of three kinds:
 
 * **batched tensors**: tensors with at least one dimension; dimension 0 is the batch dimension.
-* **per-sample lists**: a non-empty list or tuple none of whose items is a tensor or a container
-  (file names, ids, ...). Its length is the batch size and it is split along with the tensors.
+* **per-sample lists**: a non-empty list none of whose items is a tensor or a container (file
+  names, ids, ...). Its length is the batch size and it is split along with the tensors. A tuple
+  of such items is per-sample too when its length is the batch size that the batch's tensors and
+  lists set (ids collated with ``zip(*samples)``); a tuple of another length (an image size, a
+  crop box) is a broadcast leaf. A tuple that merely happens to be as long as the batch is
+  ambiguous (:func:`ambiguous_paths`): mark a per-batch one with :func:`per_batch`.
 * **broadcast leaves**: everything else (an ``int`` epoch, a ``str`` flag, ``None``, a
-  ``torch.Size``), and zero-dimensional tensors, which have no batch dimension. They are copied
-  unchanged into every piece.
+  ``torch.Size``, a value marked with :func:`per_batch`), and zero-dimensional tensors, which have
+  no batch dimension. They are copied unchanged into every piece.
 
 A list or tuple holding a tensor or a container is a structure, not a per-sample list, and so is
 an empty one (a slice with no rows turns a per-sample list into one).
@@ -32,12 +36,16 @@ import torch
 
 __all__ = [
     "Batch",
+    "PerBatchList",
+    "PerBatchTuple",
+    "ambiguous_paths",
     "batch_size",
     "concat_batches",
     "describe",
     "elements_per_sample",
     "map_tensors",
     "move_batch",
+    "per_batch",
     "resize_batch",
     "shape_key",
     "slice_batch",
@@ -62,12 +70,46 @@ _KIND_TEXT = {
 _ROOT = "batch"
 
 
+class PerBatchTuple(tuple):  # type: ignore[type-arg]
+    """A tuple marked as one value for the whole batch (see :func:`per_batch`)."""
+
+    __slots__ = ()
+
+
+class PerBatchList(list):  # type: ignore[type-arg]
+    """A list marked as one value for the whole batch (see :func:`per_batch`)."""
+
+
+def per_batch(value: Sequence[Any]) -> Sequence[Any]:
+    """Mark a list or tuple as one value for the whole batch, copied whole into every piece.
+
+    The result is a ``tuple`` (or ``list``) subclass equal to ``value``, so the model sees the
+    same value; only the splitting treats it differently.
+
+    >>> import torch
+    >>> batch = {"x": torch.zeros(2, 3), "size": per_batch((224, 448))}
+    >>> [piece["size"] for piece in split_batch(batch, 1)]
+    [(224, 448), (224, 448)]
+
+    Parameters:
+        value: a tuple or list, e.g. an image size that may be as long as the batch.
+    """
+    if isinstance(value, tuple) and not hasattr(type(value), "_fields"):
+        return value if isinstance(value, PerBatchTuple) else PerBatchTuple(value)
+    if isinstance(value, list):
+        return value if isinstance(value, PerBatchList) else PerBatchList(value)
+    raise TypeError(
+        f"per_batch marks a list or a tuple, got {type(value).__name__}; other values without a "
+        "batch dimension (numbers, strings, zero-dimensional tensors) are per-batch already"
+    )
+
+
 def _kind(x: object) -> _Kind:
     if isinstance(x, torch.Tensor):
         return "tensor" if x.dim() > 0 else "broadcast"
     if isinstance(x, Mapping):
         return "mapping"
-    if isinstance(x, str | bytes | torch.Size):
+    if isinstance(x, str | bytes | torch.Size | PerBatchTuple | PerBatchList):
         return "broadcast"
     if isinstance(x, tuple) and hasattr(type(x), "_fields"):
         return "namedtuple"
@@ -173,6 +215,31 @@ def _size_text(leaf: Any) -> str:
     return f"{len(leaf)} items"
 
 
+def _is_tuple_of_values(leaf: Any) -> bool:
+    """A plain tuple of plain values: per-sample only when as long as the batch."""
+    return isinstance(leaf, tuple) and _kind(leaf) == "samples"
+
+
+def _per_sample(leaf: Any, size: int) -> bool:
+    """Whether a ``"samples"`` leaf is split with the batch of ``size`` rows."""
+    return not _is_tuple_of_values(leaf) or len(leaf) == size
+
+
+def _sizes(batch: Batch) -> tuple[dict[int, str], dict[int, str]]:
+    """Sizes of dimension 0 with the first leaf that has each: of the tensors and lists, and of
+    the plain tuples (which set the batch size only where nothing else does)."""
+    strong: dict[int, str] = {}
+    weak: dict[int, str] = {}
+    for path, leaf in _leaves(batch):
+        kind = _kind(leaf)
+        if kind == "broadcast":
+            continue
+        size = leaf.shape[0] if kind == "tensor" else len(leaf)
+        target = weak if _is_tuple_of_values(leaf) else strong
+        target.setdefault(size, f"{path} has {_size_text(leaf)}")
+    return strong, weak
+
+
 def batch_size(batch: Batch) -> int:
     """Return the size of dimension 0 shared by every batched tensor and per-sample list.
 
@@ -187,13 +254,8 @@ def batch_size(batch: Batch) -> int:
         ValueError: the sizes differ; the message names the leaves and their shapes.
         TypeError: the batch holds no batched tensor and no per-sample list.
     """
-    first: dict[int, str] = {}
-    for path, leaf in _leaves(batch):
-        kind = _kind(leaf)
-        if kind == "broadcast":
-            continue
-        size = leaf.shape[0] if kind == "tensor" else len(leaf)
-        first.setdefault(size, f"{path} has {_size_text(leaf)}")
+    strong, weak = _sizes(batch)
+    first = strong or weak
     if not first:
         raise TypeError(
             "a batch must hold at least one tensor with a batch dimension (dim 0) or a non-empty "
@@ -207,19 +269,37 @@ def batch_size(batch: Batch) -> int:
     return next(iter(first))
 
 
+def ambiguous_paths(batch: Batch) -> list[str]:
+    """Return the paths of plain tuples that are split as per-sample only because their length
+    happens to equal the batch size (an image size in a batch of two rows, say).
+
+    >>> import torch
+    >>> ambiguous_paths({"x": torch.zeros(2, 3), "size": (224, 448), "crop": (0, 0, 9)})
+    ["batch['size']"]
+
+    Parameters:
+        batch: a tensor or a nest of containers (see the module documentation).
+    """
+    strong, _ = _sizes(batch)
+    if len(strong) != 1:
+        return []
+    size = next(iter(strong))
+    return [path for path, leaf in _leaves(batch) if _is_tuple_of_values(leaf) and len(leaf) == size]
+
+
 def _check_count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     return value
 
 
-def _slice(batch: Batch, start: int, stop: int) -> Batch:
+def _slice(batch: Batch, start: int, stop: int, size: int) -> Batch:
     def piece(path: str, leaves: list[Any]) -> Any:
         leaf = leaves[0]
         kind = _kind(leaf)
         if kind == "tensor":
             return leaf[start:stop]
-        if kind == "samples":
+        if kind == "samples" and _per_sample(leaf, size):
             return _rebuild_sequence(leaf, list(leaf[start:stop]))
         return leaf
 
@@ -246,7 +326,7 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
             f"slice_batch needs 0 <= start <= stop <= batch size ({size}), "
             f"got start={start}, stop={stop}"
         )
-    return _slice(batch, start, stop)
+    return _slice(batch, start, stop, size)
 
 
 def split_batch(batch: Batch, piece_size: int) -> list[Batch]:
@@ -266,7 +346,7 @@ def split_batch(batch: Batch, piece_size: int) -> list[Batch]:
     if piece_size < 1:
         raise ValueError(f"piece_size must be at least 1, got {piece_size}")
     size = batch_size(batch)
-    return [_slice(batch, s, min(s + piece_size, size)) for s in range(0, size, piece_size)]
+    return [_slice(batch, s, min(s + piece_size, size), size) for s in range(0, size, piece_size)]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -285,24 +365,30 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _concat(path: str, leaves: list[Any]) -> Any:
-    first = leaves[0]
-    kind = _kind(first)
-    if any(_kind(leaf) == "samples" for leaf in leaves):
-        return _rebuild_sequence(first, [item for leaf in leaves for item in leaf])
-    if kind == "tensor":
-        try:
-            return torch.cat(leaves)
-        except RuntimeError as error:
-            raise ValueError(f"cannot concatenate {path}: {error}") from error
-    for i, leaf in enumerate(leaves[1:], start=1):
-        if not _same(first, leaf):
-            raise ValueError(
-                f"cannot concatenate {path}: it has no batch dimension, so it must be equal in "
-                f"every batch, but batch 0 has {reprlib.repr(first)} and batch {i} has "
-                f"{reprlib.repr(leaf)}"
-            )
-    return first
+def _concat(sizes: list[int]) -> Callable[[str, list[Any]], Any]:
+    def join(path: str, leaves: list[Any]) -> Any:
+        first = leaves[0]
+        kind = _kind(first)
+        if any(_kind(leaf) == "samples" for leaf in leaves) and all(
+            _kind(leaf) != "samples" or _per_sample(leaf, n)
+            for leaf, n in zip(leaves, sizes, strict=True)
+        ):
+            return _rebuild_sequence(first, [item for leaf in leaves for item in leaf])
+        if kind == "tensor":
+            try:
+                return torch.cat(leaves)
+            except RuntimeError as error:
+                raise ValueError(f"cannot concatenate {path}: {error}") from error
+        for i, leaf in enumerate(leaves[1:], start=1):
+            if not _same(first, leaf):
+                raise ValueError(
+                    f"cannot concatenate {path}: it has no batch dimension, so it must be equal "
+                    f"in every batch, but batch 0 has {reprlib.repr(first)} and batch {i} has "
+                    f"{reprlib.repr(leaf)}"
+                )
+        return first
+
+    return join
 
 
 def concat_batches(batches: Sequence[Batch]) -> Batch:
@@ -320,7 +406,13 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     """
     if not batches:
         raise ValueError("concat_batches needs at least one batch, got an empty sequence")
-    return _walk(_concat, list(batches))
+    sizes = []
+    for batch in batches:
+        try:
+            sizes.append(batch_size(batch))
+        except TypeError:
+            sizes.append(0)  # a per-sample list sliced to no rows
+    return _walk(_concat(sizes), list(batches))
 
 
 def _like_layout(source: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -366,7 +458,7 @@ def resize_batch(sample: Batch, n: int) -> Batch:
             if leaf.device not in index:
                 index[leaf.device] = torch.tensor(rows, dtype=torch.long, device=leaf.device)
             return _like_layout(leaf, leaf.detach().index_select(0, index[leaf.device]))
-        if kind == "samples":
+        if kind == "samples" and _per_sample(leaf, size):
             return _rebuild_sequence(leaf, [leaf[i] for i in rows])
         if isinstance(leaf, torch.Tensor):
             return leaf.detach().clone()

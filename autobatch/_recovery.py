@@ -3,8 +3,10 @@
 :func:`retry_on_oom` decorates a step function; :class:`oom_guard` wraps the loop's iterable. Both
 are thin front-ends over :class:`_Engine`, which runs a step on pieces of its batch:
 
-1. A step runs unchanged and unmeasured until its first out-of-memory error (the fast path costs a
-   ``try`` and, with ``optimizer=``, a sum of the parameters' version counters).
+1. A step runs unchanged and unmeasured until its first out-of-memory error. The fast path
+   (:class:`_Attempt`) costs a ``try``, the parameters' version counters, one fused copy of the
+   module buffers known to change (BatchNorm statistics), and a context variable that the
+   process-wide optimizer pre-step hook reads; the first call also watches which modules run.
 2. On an OOM (:func:`autobatch.is_oom_error`) the engine keeps only the exception without its
    traceback, leaves the ``except`` block, calls :func:`autobatch.free_memory`, decides a smaller
    piece size (:meth:`_Sizes.after_oom`; under torch.distributed every rank takes the smallest
@@ -26,18 +28,22 @@ are thin front-ends over :class:`_Engine`, which runs a step on pieces of its ba
 
 Policies (``policy=``):
 
-* ``"accumulate"`` (default with ``optimizer=``): the pieces of one batch make exactly one
-  optimizer step. While the pieces run, each piece's gradients are weighted in place by its share
-  of the batch (``reduction="mean"``; ``"sum"`` adds them) and moved into private buffers (no
-  gradient is copied; call ``backward()`` once per step), so code between
-  ``backward()`` and ``optimizer.step()`` (clipping, logging, ``zero_grad``) sees no gradient in
-  early pieces and the whole batch's gradient in the last one. ``optimizer.step()`` and the
-  ``scaler=``'s ``unscale_``/``step``/``update`` do nothing in early pieces and run once in the last
-  one, so GradScaler's inf check covers the whole batch once. The LR scheduler is not touched: call
-  ``scheduler.step()`` outside the decorated step. Step functions must take one step per call and
-  zero the gradients themselves; once memory has run short, autobatch sets them to ``None`` before
-  each batch (and before it re-runs one), so that every piece is measured alike.
-  Closure-taking optimizers (LBFGS) are refused.
+* ``"accumulate"`` (default with ``optimizer=``): the pieces of one batch make exactly one step
+  of each optimizer given (:class:`_Accumulation`). Each piece's gradients are weighted by its
+  share of the batch (of its rows, of its items with ``items=``; ``reduction="sum"`` adds them),
+  in place, and moved into private buffers at the end of each backward; at the end of the last
+  piece's backward the buffers are added into ``.grad``. Code between ``backward()`` and
+  ``optimizer.step()`` (clipping, logging) therefore sees no gradient in early pieces and the
+  whole batch's gradient in the last one, for every parameter. ``optimizer.step()`` and the
+  ``scaler=``'s ``unscale_``/``step``/``update`` do nothing in early pieces and run once in the
+  last one, so GradScaler's inf check covers the whole batch once. The LR scheduler is not
+  touched: call ``scheduler.step()`` outside the decorated step. Step functions must take one
+  step per call and zero the gradients themselves; once memory has run short, autobatch sets the
+  optimizers' gradients to ``None`` before each batch (and before it re-runs one), so that every
+  piece is measured alike. Refused, with an :class:`~autobatch.AutobatchError`: closure-taking
+  optimizers (LBFGS), an optimizer not given that steps in a piece, optimizers that interleave
+  (a parameter gets a gradient after its optimizer stepped in the same piece), a parameter
+  changed in place in an early piece (an EMA update), and steps that accumulate across calls.
 * ``"shrink"`` (default without an optimizer, e.g. eval steps): each piece is its own call of the
   step, so a training step takes more, smaller optimizer steps: the effective batch size shrinks.
 
@@ -48,18 +54,20 @@ detached; tensors whose dim 0 is the piece size are concatenated, lists as long 
 joined; dicts, tuples and named tuples are joined item by item; equal values pass through. If the
 pieces' results cannot be joined, the list of them is returned.
 
-An OOM inside or after ``optimizer.step()`` (with ``optimizer=``): the parameters' version counters
-(in-place modification counts) tell whether the update began. An OOM before the step is retried;
-one inside the first step, while the optimizer creates its state and before any parameter changed
-(Adam's ``exp_avg``, ``exp_avg_sq``), is retried after the half-made state is dropped. Any other
-OOM inside or after the step raises :class:`~autobatch.AutobatchError`: torch's optimizers update
-their state in place before the parameters, so the update may be partly applied, and autobatch
-neither retries it twice nor restores it (a copy of every parameter and state per step would cost
-too much).
+A failed attempt is undone where it can be and refused where it cannot (:meth:`_Engine.
+_check_attempt`): module buffers are put back as they were (:meth:`_Attempt.rollback`); an OOM
+before any optimizer step began and before any parameter changed is retried; one inside an
+optimizer's first step, while it creates its state and before any parameter changed (Adam's
+``exp_avg``, ``exp_avg_sq``), is retried after the half-made state is dropped. Any other failure
+after a step began (seen by the step hook, since fused optimizers leave the version counters
+alone) or after a parameter changed in place raises :class:`~autobatch.AutobatchError`: the
+update may be partly applied, and autobatch neither retries it twice nor restores it (a copy of
+every parameter and state per step would cost too much).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -67,9 +75,10 @@ import functools
 import inspect
 import math
 import operator
+import sys
 import types
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, cast, overload
 
@@ -80,11 +89,14 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from autobatch import _distributed
 from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
 from autobatch._batch import (
     Batch,
+    ambiguous_paths,
     batch_size,
     describe,
     elements_per_sample,
@@ -123,6 +135,8 @@ PROBE_DIVISOR = 8
 MAX_POINTS = 32
 #: Distinct piece sizes needed before a line is fitted (two cannot tell a bent start).
 MIN_FIT_SIZES = 3
+#: How many batch shapes keep their own piece size (the least recently used is forgotten).
+MAX_SHAPES = 256
 
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 
@@ -159,6 +173,10 @@ class SizeChange:
     reason: str
 
 
+#: How many of the latest size changes the statistics keep (the counters count all of them).
+HISTORY = 64
+
+
 @dataclass(frozen=True)
 class RecoveryStats:
     """What happened so far: OOMs, size changes, the current micro-batch size.
@@ -177,7 +195,8 @@ class RecoveryStats:
         samples_recomputed: samples whose work was lost and redone (failed attempts, discarded
             pieces).
         micro_batch_size: the largest piece of the latest batch; ``None`` when it ran whole.
-        history: every size change, oldest first.
+        changes: size changes of every reason, all of them counted.
+        history: the latest size changes (at most :data:`HISTORY`), oldest first.
     """
 
     ooms: int = 0
@@ -188,6 +207,7 @@ class RecoveryStats:
     samples: int = 0
     samples_recomputed: int = 0
     micro_batch_size: int | None = None
+    changes: int = 0
     history: tuple[SizeChange, ...] = ()
 
 
@@ -203,10 +223,14 @@ class _Tally:
     samples: int = 0
     samples_recomputed: int = 0
     micro_batch_size: int | None = None
-    history: list[SizeChange] = dataclasses.field(default_factory=list)
+    changes: int = 0
+    history: collections.deque[SizeChange] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=HISTORY)
+    )
 
     def change(self, change: SizeChange) -> None:
         self.history.append(change)
+        self.changes += 1
         self.shrinks += change.reason in ("oom", "grow failed")
         self.grows += change.reason == "grow"
         self.failed_grows += change.reason == "grow failed"
@@ -217,6 +241,10 @@ class _Tally:
         return RecoveryStats(**{**fields, **override})
 
 
+OptimizerOption = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+ItemsFn = Callable[[Any], Any]
+
+
 @dataclass(frozen=True)
 class RecoveryOptions:
     """Every option of :func:`retry_on_oom`, validated; see there for their meaning.
@@ -225,7 +253,7 @@ class RecoveryOptions:
     'shrink'
     """
 
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: OptimizerOption = None
     policy: Policy | None = None
     reduction: Reduction = "mean"
     batch_arg: str | None = None
@@ -236,23 +264,31 @@ class RecoveryOptions:
     device: DeviceLike = None
     headroom: float = 0.1
     sync_ranks: bool = True
+    items: ItemsFn | None = None
 
     def __post_init__(self) -> None:
-        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}"
-            )
+        optimizers = self.optimizers
         if self.policy is None:
-            object.__setattr__(self, "policy", "shrink" if self.optimizer is None else "accumulate")
+            object.__setattr__(self, "policy", "accumulate" if optimizers else "shrink")
         if self.policy not in ("accumulate", "shrink"):
             raise ValueError(f"policy must be 'accumulate' or 'shrink', got {self.policy!r}")
-        if self.policy == "accumulate" and self.optimizer is None:
+        if self.policy == "accumulate" and not optimizers:
             raise ValueError(
                 "policy='accumulate' needs the optimizer, so that the pieces of a batch make one "
                 "step: pass retry_on_oom(optimizer=opt), or use policy='shrink'"
             )
         if self.reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {self.reduction!r}")
+        if self.items is not None and not callable(self.items):
+            raise TypeError(
+                f"items must be a function of a batch returning how many items its loss averages "
+                f"over, e.g. items=lambda b: (b['labels'] != -100).sum(); got {self.items!r}"
+            )
+        if self.items is not None and self.reduction == "sum":
+            raise ValueError(
+                "items= weights pieces of a loss averaged over items; with reduction='sum' the "
+                "pieces are added as they are: pass one of the two"
+            )
         if self.batch_arg is not None and not isinstance(self.batch_arg, str):
             raise TypeError(f"batch_arg must be a parameter name (str), got {self.batch_arg!r}")
         _check_count("min_batch", self.min_batch)
@@ -273,6 +309,24 @@ class RecoveryOptions:
             and 0 <= self.headroom < 1
         ):
             raise ValueError(f"headroom must be a fraction in [0, 1), got {self.headroom!r}")
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers the step calls, in the order given (empty without one)."""
+        given = self.optimizer
+        if given is None:
+            return ()
+        if isinstance(given, torch.optim.Optimizer):
+            return (given,)
+        if isinstance(given, (list, tuple)) and given:
+            found = tuple(given)
+            bad = [o for o in found if not isinstance(o, torch.optim.Optimizer)]
+            if not bad and len({id(o) for o in found}) == len(found):
+                return found
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer or a non-empty list of distinct ones "
+            f"(every optimizer the step calls), got {given!r}"
+        )
 
 
 def _check_count(name: str, value: object) -> None:
@@ -300,7 +354,7 @@ class _KeyState:
 
 
 class _TooSmall(Exception):
-    """The smallest allowed size failed."""
+    """The smallest allowed size failed, or no piece of at least ``min_batch`` rows can fit."""
 
 
 class _Sizes:
@@ -383,6 +437,7 @@ class _Sizes:
         """
         state = self.states.get(key)
         if state is not None:
+            self.states[key] = self.states.pop(key)  # the most recently used shape goes last
             found = self.model_size(key, eps, room)
             if found is not None and found[1] and state.grow_from is None:
                 return max(min(state.limit, found[0]), self.min_batch)
@@ -396,11 +451,26 @@ class _Sizes:
         return max(min(s.limit * s.eps // eps for s in self.states.values()), self.min_batch)
 
     def piece(self, key: Hashable, eps: int, remaining: int, room: int | None) -> int:
-        """The next piece of ``remaining`` rows: balanced pieces of at most the limit."""
+        """The next piece of ``remaining`` rows: balanced pieces of at most the limit, none
+        below ``min_batch``.
+
+        Where the limit leaves no way to cut ``remaining`` rows into pieces of at least
+        ``min_batch`` (5 rows, a limit of 2, ``min_batch=2``), the pieces are the fewest of at
+        least ``min_batch`` rows (3 and 2), tried even though they pass the limit; raises
+        :class:`_TooSmall` when a piece that large already ran out of memory.
+        """
         limit = self.limit_for(key, eps, room)
         if limit is None or limit >= remaining:
             return remaining
         count = -(-remaining // limit)
+        if remaining // count < self.min_batch:
+            count = max(remaining // self.min_batch, 1)
+            n = -(-remaining // count)
+            state = self.states.get(key)
+            ceiling = None if state is None else state.ceiling
+            if ceiling is not None and n >= ceiling:
+                raise _TooSmall(n)
+            return n
         return -(-remaining // count)
 
     # Learning ---------------------------------------------------------------------------------
@@ -439,6 +509,8 @@ class _Sizes:
         new = max(min(new, failed - 1), self.min_batch)
         if state is None:
             state = self.states[key] = _KeyState(eps=eps, limit=new, wait=self.grow_after or 0)
+            while len(self.states) > MAX_SHAPES:  # variable shapes: forget the least recent
+                del self.states[next(iter(self.states))]
         state.limit = new
         state.ceiling = failed if state.ceiling is None else min(state.ceiling, failed)
         state.refine = refine
@@ -510,8 +582,7 @@ class _Sizes:
 class _Failure:
     exc: BaseException  # traceback stripped from every link: holds no frame, so no tensor
     kind: str
-    optimizer: str | None  # the class name of the optimizer whose step() was running, if any
-    ours: bool  # that optimizer is the one given to the decorator
+    inside: torch.optim.Optimizer | None  # the optimizer whose step() was running, if any
 
 
 def _strip_tracebacks(exc: BaseException) -> None:
@@ -541,6 +612,257 @@ def _optimizer_in_traceback(exc: BaseException) -> torch.optim.Optimizer | None:
 
 
 # --------------------------------------------------------------------------------------------
+# One attempt of a step: what it changed, and undoing what can be undone.
+
+_ATTEMPT: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar(
+    "autobatch_attempt", default=None
+)
+_step_hook: RemovableHandle | None = None
+
+
+def _see_optimizer_steps() -> None:
+    """Install, once per process, the hook through which attempts see every optimizer step (a
+    context-variable read per ``optimizer.step()`` when no attempt runs)."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_optimizer_stepping)
+
+
+def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    attempt = _ATTEMPT.get()
+    while attempt is not None:
+        attempt.optimizer_stepping(optimizer)
+        attempt = attempt.outer
+
+
+class _Attempt:
+    """One run of a step function (a whole batch or one piece), watched for what it changes.
+
+    It records every ``optimizer.step()`` that begins (a global pre-hook), the version counters
+    (in-place modification counts) of the parameters the step may touch, and the module buffers
+    as they were: those known to change (BatchNorm statistics) are copied before it starts, and,
+    while ``learn`` is on, those of every module the first time it runs (a global forward
+    pre-hook, which also makes the modules known). :meth:`rollback` puts the buffers back after
+    a failure. With ``split`` (a piece of a batch under ``"accumulate"``) an optimizer the
+    engine was not given is refused before it steps.
+    """
+
+    __slots__ = (
+        "_hook", "_param_ids", "_saved_owners", "_seen_ids", "_token", "engine", "fresh",
+        "learn", "ours_stepped", "outer", "params", "saved", "seen", "session", "shadows",
+        "split", "stepped", "versions",
+    )
+
+    def __init__(
+        self,
+        engine: _Engine,
+        *,
+        split: bool = False,
+        learn: bool = False,
+        session: _Accumulation | None = None,
+    ) -> None:
+        known = engine.known
+        self.engine = engine
+        self.split = split
+        self.learn = learn
+        self.session = session
+        self.stepped: list[torch.optim.Optimizer] = []
+        self.ours_stepped = False
+        self.params = known.params
+        self.versions = list(map(_VERSION, known.params))
+        self.fresh = [not o.state for o in engine.optimizers]
+        self.shadows = known.save_buffers() if known.mutable else None
+        self.saved: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = []
+        self.seen: list[nn.Module] = []
+        self.outer: _Attempt | None = None
+        self._token: contextvars.Token[_Attempt | None] | None = None
+        self._hook: RemovableHandle | None = None
+
+    def __enter__(self) -> _Attempt:
+        self.outer = _ATTEMPT.get()
+        self._token = _ATTEMPT.set(self)
+        if self.learn:
+            known = self.engine.known
+            self._seen_ids: set[int] = set()
+            self._saved_owners: set[int] = set()
+            self._param_ids = set(known.param_ids)
+            self.params = list(self.params)
+            for module in known.modules:
+                self._module_runs(module, ())
+            if not known.compiled:  # a global hook would make dynamo compile once more
+                self._hook = register_module_forward_pre_hook(self._module_runs)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _ATTEMPT.reset(self._token)
+            self._token = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
+        ours = any(optimizer is o for o in self.engine.optimizers)
+        if not ours and self.split:
+            raise AutobatchError(
+                f"{self.engine.name} calls {type(optimizer).__name__}.step(), an optimizer "
+                "autobatch was not given, while its batch runs in micro-batches: that optimizer "
+                "would step once per micro-batch instead of once per batch. Pass every optimizer "
+                "the step calls, retry_on_oom(optimizer=[opt_a, opt_b]); where one optimizer's "
+                "step feeds the next part of the step (a GAN's discriminator, then its "
+                "generator), decorate each part as its own function; or use policy='shrink'"
+            )
+        self.stepped.append(optimizer)
+        self.ours_stepped = self.ours_stepped or ours
+
+    def _module_runs(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or id(module) in self._seen_ids:
+            return  # (inside a compiled module the hook is traced away: its caller was seen)
+        self._seen_ids.add(id(module))
+        self.seen.append(module)
+        known = self.engine.known
+        for owner in module.modules():  # the whole subtree: compiled code runs no hook inside
+            if id(owner) in self._saved_owners:
+                continue
+            self._saved_owners.add(id(owner))
+            for name, buffer in owner._buffers.items():
+                if (
+                    buffer is None
+                    or id(buffer) in known.saved_ids
+                    or name in owner._non_persistent_buffers_set  # masks, caches: not state
+                ):
+                    continue
+                with torch.no_grad():
+                    copy = buffer.detach().clone()
+                self.saved.append((owner, name, buffer, copy, buffer._version))
+        for p in module.parameters():
+            if id(p) not in self._param_ids:  # watched from now on, like the known ones
+                self._param_ids.add(id(p))
+                self.params.append(p)
+                self.versions.append(p._version)
+        if self.session is not None:
+            self.session.track(module.parameters())
+
+    def changed(self) -> list[torch.Tensor]:
+        """The parameters changed in place since the attempt began."""
+        return [
+            p for p, version in zip(self.params, self.versions, strict=True)
+            if p._version != version
+        ]
+
+    def stepped_other(self) -> torch.optim.Optimizer | None:
+        """An optimizer the engine was not given that began a step in this attempt."""
+        for optimizer in self.stepped:
+            if all(optimizer is not o for o in self.engine.optimizers):
+                return optimizer
+        return None
+
+    def rollback(self) -> None:
+        """Put every saved buffer back as it was when the attempt began (after a failure)."""
+        with torch.no_grad():
+            _Known.restore_buffers(self.shadows)
+            for module, name, original, copy, _ in reversed(self.saved):
+                if module._buffers.get(name) is not original:
+                    module._buffers[name] = original
+                original.copy_(copy)  # (kernels such as batch_norm's update without a version bump)
+
+    def learned(self) -> None:
+        """Tell the engine which modules ran and which of their buffers changed."""
+        if not self.learn:
+            return
+        with torch.no_grad():
+            mutable = [
+                (module, name) for module, name, original, copy, version in self.saved
+                if module._buffers.get(name) is not original or original._version != version
+                or not torch.equal(original, copy)
+            ]
+        self.engine.known.learn(self.seen, mutable)
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule is ``torch.compile``d."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", ())
+    return any(
+        isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
+
+
+_Shadows = tuple[list[tuple[nn.Module, str]], list[torch.Tensor], list[torch.Tensor]]
+
+
+class _Known:
+    """What a step is known to touch: the optimizers' parameters, the modules it runs
+    (``model=``, modules its code names, modules seen running) with their parameters, and the
+    buffers that change when they run, copied before every attempt (one fused copy) so that a
+    failed attempt can be undone."""
+
+    def __init__(
+        self, modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]
+    ) -> None:
+        self.modules: list[nn.Module] = []
+        self.module_ids: set[int] = set()
+        self.params: list[torch.Tensor] = []
+        self.param_ids: set[int] = set()
+        self.mutable: list[tuple[nn.Module, str]] = []
+        self.buffers: list[torch.Tensor] = []
+        self.shadows: list[torch.Tensor] = []
+        self.saved_ids: set[int] = set()
+        self.compiled = False
+        for optimizer in optimizers:
+            self._add_params(p for g in optimizer.param_groups for p in g["params"])
+        self.learn(modules, [])
+
+    def _add_params(self, params: Iterable[torch.Tensor]) -> None:
+        added = [p for p in params if id(p) not in self.param_ids]
+        if added:
+            self.params = self.params + added  # a new list: attempts keep the one they began with
+            self.param_ids.update(id(p) for p in added)
+
+    def learn(self, modules: Iterable[nn.Module], mutable: list[tuple[nn.Module, str]]) -> None:
+        for module in modules:
+            if id(module) not in self.module_ids:
+                self.module_ids.add(id(module))
+                self.modules.append(module)
+                self._add_params(module.parameters())
+                self.compiled = self.compiled or _is_compiled(module)
+        fresh = [entry for entry in mutable if all(
+            entry[0] is not m or entry[1] != n for m, n in self.mutable)]
+        if fresh:
+            self.mutable = self.mutable + fresh
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.mutable = [(m, n) for m, n in self.mutable if m._buffers.get(n) is not None]
+        self.buffers = [cast(torch.Tensor, m._buffers[n]) for m, n in self.mutable]
+        with torch.no_grad():
+            self.shadows = [torch.empty_like(b) for b in self.buffers]
+        self.saved_ids = {id(b) for b in self.buffers}
+
+    def save_buffers(self) -> _Shadows | None:
+        """Copy the buffers known to change into their shadows; ``None`` when there are none."""
+        if not self.mutable:
+            return None
+        if any(m._buffers.get(n) is not b
+               for (m, n), b in zip(self.mutable, self.buffers, strict=True)):
+            self._rebuild()  # a module replaced a buffer: copy what it holds now
+        with torch.no_grad():
+            torch._foreach_copy_(self.shadows, self.buffers)
+        return self.mutable, self.buffers, self.shadows
+
+    @staticmethod
+    def restore_buffers(saved: _Shadows | None) -> None:
+        if saved is None:
+            return
+        mutable, buffers, shadows = saved
+        for (module, name), original in zip(mutable, buffers, strict=True):
+            if module._buffers.get(name) is not original:
+                module._buffers[name] = original
+        torch._foreach_copy_(buffers, shadows)
+
+
+# --------------------------------------------------------------------------------------------
 # Gradient accumulation across the pieces of one batch.
 
 
@@ -560,78 +882,162 @@ class _Patch:
             delattr(self.obj, self.name)
 
 
+def _add(total: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
+    """``total + more``, in place where both are dense."""
+    if total.layout == torch.strided and more.layout == torch.strided:
+        return total.add_(more)
+    return total + more
+
+
 class _Accumulation:
-    """One optimizer step from the pieces of a batch (see the module documentation)."""
+    """One optimizer step (per optimizer given) from the pieces of a batch.
+
+    Every gradient that flows into a tracked parameter is weighted by the piece's share of the
+    batch (in place once it reaches an empty ``.grad``; on its way in where ``.grad`` already
+    holds one), so several ``backward()`` calls in one piece are weighted alike. At the end of each backward (an autograd callback) an early
+    piece's gradients move to private buffers, leaving ``.grad`` empty (code between
+    ``backward()`` and ``optimizer.step()`` then finds nothing to clip or log), and in the last
+    piece the buffers are added into ``.grad``: from there on ``.grad`` holds the whole batch's
+    gradient, also for parameters the last piece did not reach. The optimizers' ``step`` and
+    the scaler's ``unscale_``/``step``/``update`` do nothing in early pieces and run once in the
+    last. A parameter that receives a gradient after its optimizer stepped in the same piece
+    means the step interleaves optimizers (a GAN): refused, since early pieces would see the
+    parameters before their update.
+    """
 
     def __init__(
         self,
-        params: list[torch.Tensor],
-        optimizer: torch.optim.Optimizer,
+        params: Iterable[torch.Tensor],
+        optimizers: tuple[torch.optim.Optimizer, ...],
         scaler: Any,
     ) -> None:
-        self.params = params
-        self.optimizer = optimizer
-        self.scaler = scaler
+        self.params: list[torch.Tensor] = []
+        self.ids: set[int] = set()
+        self.owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
+        self.handles: list[RemovableHandle] = []
         self.weight = 1.0
         self.last = False
-        self.touched = 0  # gradient hooks that ran in the current piece
-        self.finished: set[int] = set()  # parameters done in the last piece
+        self.queued = False
+        self.contributed = False  # this piece's gradients reached the buffers, or .grad the sum
+        self.moving = False
+        self.stepped: set[int] = set()
+        self.pending: set[int] = set()  # parameters whose fresh .grad is still to be weighted
         self.buffers: dict[int, torch.Tensor] = {}
-        self.handles = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params]
-        self.patches = [_Patch(optimizer, "step", self._wrap(optimizer.step, refuse_closure=True))]
+        self.patches = [
+            _Patch(o, "step", self._deferred(o.step, refuse_closure=True, marks=True))
+            for o in optimizers
+        ]
         if scaler is not None:
             self.patches += [
-                _Patch(scaler, name, self._wrap(getattr(scaler, name), refuse_closure=False))
+                _Patch(scaler, name, self._deferred(
+                    getattr(scaler, name), refuse_closure=False, marks=name == "step"
+                ))
                 for name in ("unscale_", "step", "update")
             ]
+        self.track(params)
+
+    def track(self, params: Iterable[torch.Tensor]) -> None:
+        """Weight and accumulate the gradients of ``params`` too (before their backward)."""
+        for p in params:
+            if p.requires_grad and id(p) not in self.ids:
+                self.ids.add(id(p))
+                self.params.append(p)
+                self.handles += [
+                    p.register_hook(functools.partial(self._incoming, p)),
+                    p.register_post_accumulate_grad_hook(self._accumulated),
+                ]
 
     def begin_piece(self, weight: float, last: bool) -> None:
-        self.weight, self.last, self.touched = weight, last, 0
-        self.finished.clear()
+        self.weight, self.last = weight, last
+        self.queued = self.contributed = self.moving = False
+        self.stepped.clear()
+        self.pending.clear()
 
     @property
     def dirty(self) -> bool:
-        """Whether the current piece changed any gradient (then the batch must start over)."""
-        return self.touched > 0 or any(p.grad is not None for p in self.params)
+        """Whether the current piece changed the sum (then the batch must start over)."""
+        return self.contributed or self.moving
+
+    def _incoming(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """Before a gradient reaches ``p.grad``. Where ``p.grad`` is empty the gradient is
+        weighted in place once it is there (no copy); else (a second backward into the same
+        ``.grad``) the incoming gradient is weighted on its way in."""
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        owner = self.owner.get(id(p))
+        if owner is not None and id(owner) in self.stepped:
+            raise AutobatchError(
+                f"a parameter of {type(owner).__name__} received a gradient after "
+                f"{type(owner).__name__}.step() in the same step: the step interleaves "
+                "optimizers (as a GAN's discriminator, then generator, does). In micro-batches "
+                "the early pieces would run before that update, so the batch cannot be split "
+                "exactly: decorate each optimizer's part as its own function, or use "
+                "policy='shrink'"
+            )
+        if self.weight == 1.0:
+            return None
+        if p.grad is None:
+            self.pending.add(id(p))
+            return None
+        if self.weight == 0.0:  # a piece without items: its loss (0/0) adds nothing
+            return torch.zeros_like(grad)
+        return grad * self.weight
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        """After a piece's gradient reached ``p.grad``: weight it in place, then move it to the
-        buffer (early pieces) or add the buffer to it (last piece). No gradient is copied."""
-        self.touched += 1
-        grad = p.grad
-        if grad is None:
-            return
-        if self.weight != 1.0:
-            if id(p) in self.finished:
-                raise AutobatchError(
-                    "backward() ran twice for the same parameter in the last micro-batch; with "
-                    "reduction='mean' autobatch cannot weight the second gradient. Call "
-                    "backward() once per step, or use reduction='sum' or policy='shrink'"
-                )
-            grad.mul_(self.weight)
-        buffer = self.buffers.pop(id(p), None)
+        if id(p) in self.pending and p.grad is not None:
+            self.pending.discard(id(p))
+            if self.weight == 0.0:
+                p.grad.zero_()
+            else:
+                p.grad.mul_(self.weight)
+
+    def _backward_done(self) -> None:
+        self.queued = False
         if self.last:
-            self.finished.add(id(p))
-            if buffer is not None:
-                grad.add_(buffer)
-            return
-        p.grad = None
-        self.buffers[id(p)] = grad if buffer is None else buffer.add_(grad)
+            self.merge()
+        else:
+            self.stash()
+
+    def stash(self) -> None:
+        """Move the piece's gradients into the buffers (early pieces)."""
+        self.moving = True
+        for p in self.params:
+            grad = p.grad
+            if grad is None:
+                continue
+            self.contributed = True
+            buffer = self.buffers.get(id(p))
+            self.buffers[id(p)] = grad if buffer is None else _add(buffer, grad)
+            p.grad = None
+        self.moving = False
 
     def merge(self) -> None:
-        """Give parameters that got no gradient in the last piece their earlier pieces' sum."""
+        """Add the earlier pieces' sums into ``.grad`` (the last piece)."""
+        if not self.buffers:
+            return
+        self.moving = True
         for p in self.params:
             buffer = self.buffers.pop(id(p), None)
             if buffer is not None:
-                p.grad = buffer if p.grad is None else p.grad.add_(buffer)
+                self.contributed = True
+                p.grad = buffer if p.grad is None else _add(p.grad, buffer)
+        self.moving = False
 
-    def _wrap(self, real: Callable[..., Any], *, refuse_closure: bool) -> Callable[..., Any]:
+    def _deferred(
+        self, real: Callable[..., Any], *, refuse_closure: bool, marks: bool
+    ) -> Callable[..., Any]:
         def only_in_last_piece(*args: Any, **kwargs: Any) -> Any:
             if refuse_closure and (args or kwargs.get("closure") is not None):
                 raise AutobatchError(
                     "optimizer.step(closure) re-evaluates the loss, which cannot be split into "
                     "micro-batches; use policy='shrink' for closure-based optimizers such as LBFGS"
                 )
+            if marks:
+                owner = getattr(real, "__self__", None)
+                if not isinstance(owner, torch.optim.Optimizer):
+                    owner = args[0] if args else kwargs.get("optimizer")
+                self.stepped.add(id(owner))
             if not self.last:
                 return None
             self.merge()
@@ -639,11 +1045,15 @@ class _Accumulation:
 
         return only_in_last_piece
 
+    def discard(self) -> None:
+        """Forget the failed piece's gradients; the earlier pieces' sums stay."""
+        for p in self.params:
+            p.grad = None
+
     def restart(self) -> None:
         """Forget every piece: gradients to ``None``."""
         self.buffers.clear()
-        for p in self.params:
-            p.grad = None
+        self.discard()
 
     def close(self) -> None:
         self.merge()
@@ -679,9 +1089,12 @@ def _join(values: list[Any], sizes: list[int], weights: list[float]) -> Any:
         if all(v.dim() == 0 for v in values):
             if not first.is_floating_point():  # counts add up
                 return sum((v.detach() for v in values[1:]), values[0].detach())
-            total = values[0].detach() * weights[0]
-            for v, w in zip(values[1:], weights[1:], strict=True):
-                total = total + v.detach() * w
+            terms = [v.detach() * w for v, w in zip(values, weights, strict=True) if w]
+            if not terms:  # every piece weighs nothing (a batch without items): its mean
+                terms = [v.detach() / len(values) for v in values]
+            total = terms[0]
+            for term in terms[1:]:
+                total = total + term
             return total
         if all(v.dim() > 0 and v.shape[0] == n for v, n in zip(values, sizes, strict=True)):
             return torch.cat(values)
@@ -689,7 +1102,7 @@ def _join(values: list[Any], sizes: list[int], weights: list[float]) -> Any:
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         if all(isinstance(v, int) for v in values):
             return sum(values)
-        return sum(w * v for v, w in zip(values, weights, strict=True))
+        return sum(w * v for v, w in zip(values, weights, strict=True) if w)
     if isinstance(first, Mapping) and all(
         isinstance(v, Mapping) and list(v) == list(first) for v in values
     ):
@@ -715,12 +1128,13 @@ def _join(values: list[Any], sizes: list[int], weights: list[float]) -> Any:
     raise _CannotJoin
 
 
-def _combine(pieces: list[tuple[int, Any]], total: int, reduction: Reduction) -> Any:
+def _combine(pieces: list[tuple[int, Any, float]]) -> Any:
+    """The pieces' results ``(rows, value, weight)`` joined into the batch's result."""
     if len(pieces) == 1:
         return pieces[0][1]
-    sizes = [n for n, _ in pieces]
-    weights = [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
-    values = [v for _, v in pieces]
+    sizes = [n for n, _, _ in pieces]
+    values = [v for _, v, _ in pieces]
+    weights = [w for _, _, w in pieces]
     try:
         return _join(values, sizes, weights)
     except _CannotJoin:
@@ -795,7 +1209,7 @@ class _Coordination:
         self.armed = False  # a DDP forward ran: average at the end of the next backward
         self.queued = False
         self.hooked: set[int] = set()  # DDP modules whose parameters carry our gradient hook
-        self.patched: _Patch | None = None
+        self.patched: list[_Patch] | None = None
         self.watched = 0  # attempts run with the collective gate
         self.collectives = False  # the step issues collectives of its own
 
@@ -846,10 +1260,11 @@ class _Coordination:
     @contextlib.contextmanager
     def attempt(self, *, last: bool, session: _Accumulation | None) -> Iterator[None]:
         """Run one attempt in lockstep with the other ranks; ``last``: its piece ends the batch."""
-        optimizer = self.engine.optimizer
-        if optimizer is not None and self.patched is None:
-            real = optimizer.step
-            self.patched = _Patch(optimizer, "step", functools.partial(self._step, real))
+        if self.patched is None:
+            self.patched = [
+                _Patch(o, "step", functools.partial(self._step, o, o.step))
+                for o in self.engine.optimizers
+            ]
         self.settled = None
         self.active, self.last, self.session = True, last, session
         self.armed = self.queued = False
@@ -951,23 +1366,27 @@ class _Coordination:
             average.run(present[: len(average.params)])
             present = present[len(average.params) :]
 
-    def _step(self, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """The optimizer's step during attempts: a first step that ran out of memory is tried
+    def _step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        real: Callable[..., Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """An optimizer's step during attempts: a first step that ran out of memory is tried
         again on this rank (the gradients, averaged already, are the same on every rank)."""
-        optimizer = self.engine.optimizer
-        if not self.active or optimizer is None:
+        if not self.active:
             return real(*args, **kwargs)
         error: BaseException | None = None
         for _ in range(STEP_TRIES):
-            versions = sum(sum(map(_VERSION, g["params"])) for g in optimizer.param_groups)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            versions = list(map(_VERSION, params))
             first = not optimizer.state
             try:
                 return real(*args, **kwargs)
             except BaseException as exc:
                 _strip_tracebacks(exc)
-                unchanged = versions == sum(
-                    sum(map(_VERSION, g["params"])) for g in optimizer.param_groups
-                )
+                unchanged = versions == list(map(_VERSION, params))
                 error = exc
                 retry = is_oom_error(exc) and not isinstance(exc, AutobatchError)
                 if not (retry and first and unchanged):
@@ -977,9 +1396,9 @@ class _Coordination:
             self.engine.tally.ooms += 1
             optimizer.state.clear()  # every entry was made by the failed first step
             error = None
-            free_memory(self.engine.device_of_optimizer())
+            free_memory(params[0].device if params else None)
         raise AutobatchError(
-            f"{self.engine.name}: optimizer.step() failed on this rank"
+            f"{self.engine.name}: {type(optimizer).__name__}.step() failed on this rank"
             + ("" if error is None else f" ({type(error).__name__})")
             + " after the gradients were averaged, and could not be retried; the other ranks' "
             "steps may have gone on, so the ranks' parameters may now differ and every rank "
@@ -1038,14 +1457,43 @@ def _batch_parameter(
     )
 
 
-def _modules_of(fn: Callable[..., Any]) -> list[nn.Module]:
-    """Modules the step function refers to by name (globals and closure), for the BatchNorm check."""
+def _modules_of(fn: Callable[..., Any]) -> dict[str, nn.Module]:
+    """Modules the step function refers to by name (globals and closure), by that name."""
     try:
         names = inspect.getclosurevars(inspect.unwrap(fn))
     except (TypeError, ValueError):
-        return []
-    values = [*names.nonlocals.values(), *names.globals.values()]
-    return [v for v in values if isinstance(v, nn.Module)]
+        return {}
+    values = {**names.globals, **names.nonlocals}
+    return {name: v for name, v in values.items() if isinstance(v, nn.Module)}
+
+
+def _count_items(value: object, name: str) -> float:
+    """The number ``items=`` returned for a batch, checked."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name}: items= must return a number of items (an int, a float or a one-element "
+            f"tensor), got {value!r} ({type(value).__name__})"
+        )
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}: items= returned {value!r}; a count must be finite and >= 0")
+    return float(value)
+
+
+def _uses_foreach(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer runs its multi-tensor (foreach) kernels, which need temporaries."""
+    for group in optimizer.param_groups:
+        foreach = group.get("foreach")
+        if foreach or (foreach is None and not group.get("fused") and any(
+            cast(torch.Tensor, p).device.type != "cpu" for p in group["params"]
+        )):
+            return True
+    return False
+
+
+#: Split batches during which the engine watches which modules run (a global forward hook).
+LEARN_SPLITS = 2
 
 
 class _Engine:
@@ -1056,15 +1504,28 @@ class _Engine:
         self.options = options
         self.name = getattr(fn, "__qualname__", repr(fn))
         self.policy: Policy = cast(Policy, options.policy)
-        self.optimizer = options.optimizer
+        self.optimizers = options.optimizers
         self.index, self.keyword = _batch_parameter(fn, options.batch_arg)
         self.sizes = _Sizes(
             min_batch=options.min_batch, grow_after=options.grow_after, headroom=options.headroom
         )
         self.tally = _Tally()
         self.calls = 0
-        self.warned_batchnorm = False
+        self.warned: set[str] = set()
         self.coordination: _Coordination | None = None
+        self.named = _modules_of(fn)
+        if options.model is not None:
+            self.named = {"model": options.model, **self.named}
+        self.known = _Known(self.named.values(), self.optimizers)
+        self.optimized_ids = {  # the parameters the step's own optimizers update
+            id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]
+        }
+        self.own_ids = self.optimized_ids | {  # and model='s: zeroed before a split batch
+            id(p) for p in (options.model.parameters() if options.model is not None else ())
+        }
+        self.learn_splits = LEARN_SPLITS
+        self.skips_steps = False  # a whole call ended without an optimizer step
+        _see_optimizer_steps()
 
     def coordinated(self) -> _Coordination | None:
         """The agreement with the other ranks, under a process group (unless ``sync_ranks=False``)."""
@@ -1073,14 +1534,6 @@ class _Engine:
         if self.coordination is None:
             self.coordination = _Coordination(self)
         return self.coordination
-
-    def device_of_optimizer(self) -> DeviceLike:
-        """The device of the optimizer's first parameter (``None`` without one)."""
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    return cast(torch.Tensor, p).device
-        return None
 
     # Bookkeeping ------------------------------------------------------------------------------
 
@@ -1122,72 +1575,135 @@ class _Engine:
             return self.options.device
         for t in tensors(batch):
             return t.device
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    return cast(torch.Tensor, p).device
+        for p in self.known.params:
+            return p.device
         return None
 
-    # The optimizer's bookkeeping for "was the update applied?" --------------------------------
+    def _names(self) -> dict[int, str]:
+        """Readable names of the parameters the step is known to touch, for messages."""
+        names: dict[int, str] = {}
+        for prefix, module in self.named.items():
+            for name, p in module.named_parameters():
+                names.setdefault(id(p), f"{prefix}.{name}")
+        for module in self.known.modules:
+            for name, p in module.named_parameters(recurse=False):
+                names.setdefault(id(p), f"{type(module).__name__}.{name}")
+        return names
 
-    def _stamp(self) -> tuple[int, bool] | None:
-        """The parameters' in-place modification count, and whether the optimizer has no state
-        yet (its first step). Cheap: only the parameters' version counters are read."""
-        opt = self.optimizer
-        if opt is None:
-            return None
-        return sum(sum(map(_VERSION, g["params"])) for g in opt.param_groups), not opt.state
+    def _describe(self, params: list[torch.Tensor]) -> str:
+        names = self._names()
+        shown = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in params[:4]]
+        more = "" if len(params) <= 4 else f" and {len(params) - 4} more"
+        return ", ".join(shown) + more
 
-    def _check_optimizer(self, failure: _Failure, stamp: tuple[int, bool] | None) -> None:
+    # Was anything applied that a retry would apply again? -------------------------------------
+
+    def succeeded(self, attempt: _Attempt) -> None:
+        """A whole call ran on the fast path: count it, learn from it."""
+        self.calls += 1
+        if attempt.learn:
+            attempt.learned()
+        if not attempt.ours_stepped:
+            self._note_steps(attempt)
+
+    def _note_steps(self, attempt: _Attempt) -> None:
+        """Note a whole call that took no optimizer step (it accumulates across calls)."""
+        if (
+            not attempt.ours_stepped
+            and self.policy == "accumulate"
+            and self.options.scaler is None  # a scaler skips steps on overflow
+        ):
+            self.skips_steps = True
+
+    def _check_attempt(self, failure: _Failure, attempt: _Attempt) -> None:
         """Raise unless retrying is safe; after a failed first step, drop the state it made.
 
-        Safe: the OOM came before ``optimizer.step()`` (no parameter changed), or inside the
-        first step while the state was being created and before any parameter changed.
+        Safe: nothing was changed in place that autobatch cannot put back (no optimizer
+        stepped, no parameter changed), or the OOM came inside an optimizer's first step while
+        it created its state and before any parameter changed.
         """
-        if failure.optimizer is not None and not failure.ours:
+        kind = failure.kind
+        inside = failure.inside
+        if inside is not None and all(inside is not o for o in self.optimizers):
             raise AutobatchError(
-                f"{self.name} ran out of memory inside {failure.optimizer}.step(), an optimizer "
-                "autobatch was not given, so it cannot tell whether the update was partly "
-                "applied; decorate with retry_on_oom(optimizer=...)"
+                f"{self.name} ran out of memory ({kind}) inside {type(inside).__name__}.step(), "
+                "an optimizer autobatch was not given, so it cannot tell whether the update was "
+                "partly applied; pass every optimizer the step calls: "
+                "retry_on_oom(optimizer=...)"
             ) from failure.exc
-        if stamp is None:
-            return
-        opt = self.optimizer
-        assert opt is not None
-        versions, first_step = stamp
-        changed = sum(sum(map(_VERSION, g["params"])) for g in opt.param_groups) != versions
-        if failure.optimizer is None:
-            if changed:
+        other = attempt.stepped_other()
+        if other is not None:
+            raise AutobatchError(
+                f"{self.name} ran out of memory ({kind}) after {type(other).__name__}.step(), an "
+                "optimizer autobatch was not given, had run in this step: retrying would step "
+                "it twice. Pass every optimizer the step calls, "
+                "retry_on_oom(optimizer=[opt_a, opt_b]); where one optimizer's step feeds the "
+                "next part of the step (a GAN), decorate each part as its own function"
+            ) from failure.exc
+        changed = attempt.changed()
+        foreign = [p for p in changed if id(p) not in self.optimized_ids]
+        if foreign:
+            raise AutobatchError(
+                f"{self.name} ran out of memory ({kind}) after it had changed "
+                f"{self._describe(foreign)} in place, outside the optimizer autobatch was given "
+                "(an EMA update, say): retrying would change it again. Move that update out of "
+                "the decorated step (after it returns), or pass that parameter's optimizer too"
+            ) from failure.exc
+        # Fused optimizers update without counting a modification: which steps began is known
+        # from the step hook, not from the version counters alone.
+        stepped = [o for o in attempt.stepped if any(o is mine for mine in self.optimizers)]
+        finished = [o for o in stepped if o is not inside]
+        if inside is None or finished:
+            if changed or finished:
                 raise AutobatchError(
-                    f"{self.name} ran out of memory after optimizer.step() had updated the "
-                    "parameters; retrying would apply the update twice, so it is not retried. "
-                    "Leave more memory free after the step, or move that work out of the step"
+                    f"{self.name} ran out of memory ({kind}) after "
+                    + (f"{type(finished[0]).__name__}.step()" if finished else "optimizer.step()")
+                    + " had updated the parameters; retrying would apply the update twice, so "
+                    "it is not retried. Restore from a checkpoint, and leave more memory free "
+                    "after the step, or move that work out of the step"
                 ) from failure.exc
             return
-        if changed or not first_step:
+        index = next(i for i, o in enumerate(self.optimizers) if o is inside)
+        name = type(inside).__name__
+        fused = any(g.get("fused") for g in inside.param_groups)
+        unknown = fused and len(inside.param_groups) > 1  # an earlier group may be updated
+        if attempt.fresh[index] and not changed and not unknown:
+            inside.state.clear()  # every entry was made by the failed first step, some half-made
+            return
+        hint = "; foreach=False needs fewer temporaries" if _uses_foreach(inside) else ""
+        if attempt.fresh[index]:
+            what = (
+                f"which had already changed {len(changed)} of its parameters in place "
+                f"({self._describe(changed)}; weight decay is applied before the moments, say)"
+                if changed else "whose fused kernels may already have updated an earlier "
+                "parameter group (fused kernels leave no trace in the version counters)"
+            )
             raise AutobatchError(
-                f"{self.name} ran out of memory inside {failure.optimizer}.step(), which updates "
-                "its state and the parameters in place: the update may be partly applied, so it "
-                "is not retried (autobatch retries an OOM inside the step only on the first step, "
-                "while the state is being created). Restore from a checkpoint; leave more memory "
-                "for the optimizer (a smaller model, foreach=False) to avoid it"
+                f"{self.name} ran out of memory ({kind}) inside the first step of {name} (while "
+                f"it created its state), {what}: the update is partly applied and cannot be "
+                "undone, so it is not retried. Restore from a checkpoint. To avoid it, leave "
+                "memory for the optimizer's state, which its first step creates: a smaller first "
+                "batch, or autobatch.find_max_batch with this optimizer, which counts that "
+                "state" + hint
             ) from failure.exc
-        opt.state.clear()  # every entry was made by the failed first step, some half-made
+        raise AutobatchError(
+            f"{self.name} ran out of memory ({kind}) inside {name}.step(), which updates its "
+            "state and the parameters in place: the update may be partly applied, so it is "
+            "not retried (autobatch retries an OOM inside a step only on the first step, while "
+            "the state is being created and before any parameter changed). Restore from a "
+            "checkpoint, and leave more memory free for the optimizer's step" + hint
+        ) from failure.exc
 
     # Running ----------------------------------------------------------------------------------
 
     def _capture(self, exc: BaseException) -> _Failure | None:
         """Called inside ``except``: the failure to recover from, or ``None`` to re-raise."""
         if isinstance(exc, _PeerFailed):
-            return _Failure(exc=exc, kind=str(exc), optimizer=None, ours=False)
+            return _Failure(exc=exc, kind=str(exc), inside=None)
         if isinstance(exc, AutobatchError) or not is_oom_error(exc):
             return None
-        owner = _optimizer_in_traceback(exc)
         failure = _Failure(
-            exc=exc,
-            kind=oom_kind(exc) or "oom",
-            optimizer=None if owner is None else type(owner).__name__,
-            ours=owner is not None and owner is self.optimizer,
+            exc=exc, kind=oom_kind(exc) or "oom", inside=_optimizer_in_traceback(exc)
         )
         _strip_tracebacks(exc)
         return failure
@@ -1197,14 +1713,15 @@ class _Engine:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         failure: _Failure | None = None,
-        stamp: tuple[int, bool] | None = None,
+        attempt: _Attempt | None = None,
     ) -> Any:
-        """Run a call on the slow path (``failure``: the whole batch already ran out of memory)."""
+        """Run a call on the slow path (``failure``: the whole batch already ran out of memory,
+        in ``attempt``)."""
         batch = self._locate(args, kwargs)
         guard = _ACTIVE_GUARD.get()
         if guard is not None:
             guard._notice(self, batch)
-        return self._run(args, kwargs, batch, failure, stamp, guard)
+        return self._run(args, kwargs, batch, failure, attempt, guard)
 
     def _finished(self, samples: int) -> None:
         self.calls += 1
@@ -1218,74 +1735,121 @@ class _Engine:
             "values into every piece"
         )
 
+    def _whole(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, reason: str,
+        failure: _Failure | None,
+    ) -> Any:
+        """A batch that cannot be split (nothing to split by, or no rows): run it whole, once."""
+        if failure is None:
+            attempt = _Attempt(self)
+            try:
+                with attempt:
+                    result = self.fn(*args, **kwargs)
+            except BaseException as exc:
+                failure = self._capture(exc)
+                if failure is None:
+                    raise
+            else:
+                self._finished(0)
+                attempt.learned()
+                return result
+        self.tally.ooms += 1
+        raise self._unsplittable(batch, failure, reason) from failure.exc
+
+    def _piece(
+        self, key: Hashable, eps: int, remaining: int, memory: DeviceMemory,
+        coord: _Coordination | None,
+    ) -> int:
+        """The size of the next piece, agreed with the other ranks."""
+        try:
+            n = self.sizes.piece(key, eps, remaining, _room(memory))
+        except _TooSmall as small:
+            raise BatchSizeError(
+                f"{self.name}: {remaining} rows cannot be cut into micro-batches of at least "
+                f"min_batch={self.options.min_batch} rows that fit on {memory.name} (a piece of "
+                f"{small.args[0]} rows ran out of memory already); lower min_batch, or give "
+                "batches whose size is a multiple of a size that fits",
+                batch_size=int(small.args[0]),
+                capacity_bytes=memory.capacity_bytes(),
+            ) from None
+        if coord is not None and self.sizes.pressure:
+            n = coord.piece(n, remaining)
+        return n
+
+    def _weight(self, batch: Batch, piece: Batch, n: int, total: int, items: float | None) -> float:
+        """A piece's share of the batch's loss: of its rows, or of its items (``items=``)."""
+        if self.options.reduction == "sum":
+            return 1.0
+        if items is not None and items > 0:
+            assert self.options.items is not None
+            return _count_items(self.options.items(piece), self.name) / items
+        return n / total
+
     def _run(
         self,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         batch: Batch,
         failure: _Failure | None,
-        stamp: tuple[int, bool] | None,
+        attempt: _Attempt | None,
         guard: oom_guard[Any] | None,
     ) -> Any:
         """Run ``batch`` in pieces, recovering from OOM; ``failure`` is a first whole-batch OOM."""
         try:
             total = batch_size(batch)
         except (TypeError, ValueError) as error:
-            reason = str(error)
-        else:
-            reason = ""
-        if reason:
-            if failure is None:  # nothing to split by: run it whole, once
-                try:
-                    result = self.fn(*args, **kwargs)
-                except BaseException as exc:
-                    failure = self._capture(exc)
-                    if failure is None:
-                        raise
-                else:
-                    self._finished(0)
-                    return result
-            self.tally.ooms += 1
-            raise self._unsplittable(batch, failure, reason) from failure.exc
+            return self._whole(args, kwargs, batch, str(error), failure)
+        if total == 0:
+            return self._whole(args, kwargs, batch, "it has no rows", failure)
         key = shape_key(batch)
         eps = max(elements_per_sample(batch), 1)
         memory = memory_for(self._device(batch))
         statistics = memory.has_statistics
         coord = self.coordinated()
-        pieces: list[tuple[int, Any]] = []
+        pieces: list[tuple[int, Any, float]] = []
         done = 0
         clean = True
+        split = False
+        items: float | None = None
         session: _Accumulation | None = None
         try:
             if failure is not None:  # the whole batch failed on the fast path
+                assert attempt is not None
                 clean = False
                 session = self._recover(
-                    failure, stamp, key, eps, total, total, memory, session, guard
+                    failure, attempt, key, eps, total, total, memory, session, guard
                 )
             else:
                 if self.policy == "accumulate":
                     # The step zeroes them first thing; doing it here keeps the pieces' measured
                     # costs alike (none of them frees the last step's gradients).
-                    for p in self._params():
-                        p.grad = None
+                    for p in self.known.params:
+                        if id(p) in self.own_ids:
+                            p.grad = None
                 grown = self.sizes.maybe_grow(key, eps, total, _room(memory))
                 if grown is not None:
                     self._size_changed(*grown, "grow", guard)
             while done < total:
-                n = self.sizes.piece(key, eps, total - done, _room(memory))
-                if coord is not None and self.sizes.pressure:
-                    n = coord.piece(n, total - done)
-                if n < total:
-                    self._warn_batchnorm()
-                    if session is None and self.policy == "accumulate":
-                        session = self._accumulation()
-                if session is not None:
-                    weight = n / total if self.options.reduction == "mean" else 1.0
-                    session.begin_piece(weight, last=done + n == total)
+                n = self._piece(key, eps, total - done, memory, coord)
+                if n < total and not split:
+                    split = True
+                    self._warn_tuples(batch)
+                    if self.options.items is not None and self.options.reduction == "mean":
+                        items = _count_items(self.options.items(batch), self.name)
+                if n < total and session is None and self.policy == "accumulate":
+                    session = self._accumulation()
+                last = done + n == total
                 piece = batch if n == total else slice_batch(batch, done, done + n)
+                weight = self._weight(batch, piece, n, total, items)
+                if session is not None:
+                    session.begin_piece(weight, last)
                 piece_args, piece_kwargs = self._with_batch(args, kwargs, piece)
                 del piece
-                stamp = self._stamp()
+                attempt = _Attempt(
+                    self, split=session is not None,
+                    learn=self.calls == 0 or (n < total and self.learn_splits > 0),
+                    session=session,
+                )
                 phases = _PhasePeaks(memory)  # peaks outside and inside optimizer.step
                 baseline = 0
                 if statistics:
@@ -1293,10 +1857,9 @@ class _Engine:
                     baseline = memory.allocated_bytes()
                 failure = None
                 try:
-                    with phases, (
+                    with phases, attempt, (
                         contextlib.nullcontext() if coord is None
-                        else coord.attempt(last=done + n == total or self.policy == "shrink",
-                                           session=session)
+                        else coord.attempt(last=last or self.policy == "shrink", session=session)
                     ):
                         result = self.fn(*piece_args, **piece_kwargs)
                 except BaseException as exc:
@@ -1306,6 +1869,9 @@ class _Engine:
                             coord.finish(_distributed.FAILED)
                         raise
                 del piece_args, piece_kwargs
+                attempt.learned()
+                if n < total:
+                    self._warn_batchnorm(attempt)
                 if coord is not None:
                     codes = coord.finish(_distributed.OK if failure is None else _distributed.OOM)
                     if max(codes) == _distributed.FAILED:
@@ -1313,9 +1879,13 @@ class _Engine:
                     if failure is None and max(codes) != _distributed.OK:
                         failure = self._capture(_PeerFailed(codes))
                 if failure is None:
+                    if session is not None and not last:
+                        changed = attempt.changed()
+                        if changed:
+                            raise self._changed_in_piece(changed, done, n, total)
                     if statistics:  # the step's own memory does not grow with the piece
                         self.sizes.record(key, eps, n, phases.outside - baseline)
-                    pieces.append((n, result))
+                    pieces.append((n, result, weight))
                     done += n
                     refined = self.sizes.after_piece(key, eps, n, _room(memory))
                     if refined is not None:
@@ -1331,20 +1901,36 @@ class _Engine:
                     pieces.clear()
                     done = 0
                 session = self._recover(
-                    failure, stamp, key, eps, n, lost, memory, session, guard, restart=dirty
+                    failure, attempt, key, eps, n, lost, memory, session, guard, restart=dirty
                 )
         finally:
             if session is not None:
                 session.close()
+        if split:
+            self.learn_splits = max(self.learn_splits - 1, 0)
+        elif attempt is not None:
+            self._note_steps(attempt)
         self.sizes.finish(key, clean)
         self._finished(total)
-        self.tally.micro_batch_size = max(n for n, _ in pieces) if len(pieces) > 1 else None
-        return _combine(pieces, total, self.options.reduction)
+        self.tally.micro_batch_size = max(n for n, _, _ in pieces) if len(pieces) > 1 else None
+        return _combine(pieces)
+
+    def _changed_in_piece(
+        self, changed: list[torch.Tensor], done: int, n: int, total: int
+    ) -> AutobatchError:
+        return AutobatchError(
+            f"{self.name} changed {self._describe(changed)} in place while running rows "
+            f"{done}..{done + n} of a batch of {total} in micro-batches, outside the optimizer "
+            "step autobatch defers to the last micro-batch (an EMA update, a second optimizer's "
+            "own method, a manual edit): it would run once per micro-batch instead of once per "
+            "batch, so the batch is not split (that change has happened once). Move that update "
+            "out of the decorated step (after it returns), or use policy='shrink'"
+        )
 
     def _recover(
         self,
         failure: _Failure,
-        stamp: tuple[int, bool] | None,
+        attempt: _Attempt,
         key: Hashable,
         eps: int,
         failed: int,
@@ -1355,9 +1941,10 @@ class _Engine:
         *,
         restart: bool = False,
     ) -> _Accumulation | None:
-        """After an OOM at ``failed`` rows: check the optimizer, clean up, free memory, and pick a
-        smaller size. ``lost`` samples are redone; ``restart``: the batch starts over. Returns the
-        accumulation to continue with. Under a process group every rank takes the same size."""
+        """After an OOM at ``failed`` rows: check what the attempt changed, undo its buffer
+        updates, clean up, free memory, and pick a smaller size. ``lost`` samples are redone;
+        ``restart``: the batch starts over. Returns the accumulation to continue with. Under a
+        process group every rank takes the same size."""
         self.tally.ooms += 1
         self.tally.samples_recomputed += lost
         if guard is not None:
@@ -1365,19 +1952,32 @@ class _Engine:
         coord = self.coordinated()
         problem: AutobatchError | None = None
         try:
-            self._check_optimizer(failure, stamp)
+            self._check_attempt(failure, attempt)
+            if self.skips_steps and self.policy == "accumulate":
+                raise AutobatchError(
+                    f"{self.name} ran out of memory ({failure.kind}), and earlier calls returned "
+                    "without an optimizer step: it accumulates gradients across calls itself, "
+                    "and splitting a batch would drop what it accumulated so far. Accumulate "
+                    "through autobatch instead (one optimizer step per call; it splits each "
+                    "batch into micro-batches as memory needs), or use policy='shrink'"
+                ) from failure.exc
         except AutobatchError as error:
             if coord is None:
                 raise
             problem = error  # raised once the other ranks know
+        if problem is None:
+            attempt.rollback()
         if self.policy == "accumulate" and problem is None:
             if session is None:  # a whole-batch attempt: its gradients may be partly summed
                 session = self._accumulation()
                 session.restart()
             elif restart or session.dirty:
                 session.restart()
-        if self.options.scaler is not None and self.optimizer is not None:
-            _reset_scaler(self.options.scaler, self.optimizer)
+            else:
+                session.discard()
+        if self.options.scaler is not None:
+            for optimizer in self.optimizers:
+                _reset_scaler(self.options.scaler, optimizer)
         free_memory(memory.device)
         try:
             too_small = problem is not None
@@ -1419,39 +2019,42 @@ class _Engine:
         self._size_changed(old, new, reason, guard)
         return session
 
-    def _params(self) -> list[torch.Tensor]:
-        """Trainable parameters of the optimizer and of ``model=``, once each."""
-        seen: set[int] = set()
-        params: list[torch.Tensor] = []
-        groups = [] if self.optimizer is None else self.optimizer.param_groups
-        extra = [] if self.options.model is None else list(self.options.model.parameters())
-        for p in [p for g in groups for p in g["params"]] + extra:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        return params
-
     def _accumulation(self) -> _Accumulation:
-        assert self.optimizer is not None  # RecoveryOptions requires it for "accumulate"
-        return _Accumulation(self._params(), self.optimizer, self.options.scaler)
+        return _Accumulation(self.known.params, self.optimizers, self.options.scaler)
 
-    def _warn_batchnorm(self) -> None:
-        if self.warned_batchnorm:
+    def _warn_batchnorm(self, attempt: _Attempt) -> None:
+        if "batchnorm" in self.warned:
             return
-        self.warned_batchnorm = True
-        models = [self.options.model] if self.options.model is not None else _modules_of(self.fn)
-        for model in models:
-            norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-            if any(m.training for m in norms):
-                warnings.warn(
-                    f"{self.name} is running in micro-batches, and {type(model).__name__} has "
-                    "BatchNorm layers in training mode: their statistics are computed per "
-                    "micro-batch, so results differ slightly from whole batches (GroupNorm or "
-                    "LayerNorm do not depend on the batch)",
-                    UserWarning,
-                    stacklevel=user_stacklevel(),
-                )
-                return
+        modules = attempt.seen if attempt.learn else self.known.modules
+        norms = list({
+            id(m): m for top in modules for m in top.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+        }.values())
+        if norms:
+            self.warned.add("batchnorm")
+            warnings.warn(
+                f"{self.name} is running in micro-batches, and {len(norms)} BatchNorm layer(s) "
+                f"in training mode ({type(norms[0]).__name__}, ...) run in it: their statistics "
+                "are computed per micro-batch, so results differ slightly from whole batches "
+                "(GroupNorm or LayerNorm do not depend on the batch)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def _warn_tuples(self, batch: Batch) -> None:
+        if "tuples" in self.warned:
+            return
+        paths = ambiguous_paths(batch)
+        if paths:
+            self.warned.add("tuples")
+            warnings.warn(
+                f"{self.name} splits {', '.join(paths)} (a tuple as long as the batch) as one "
+                "value per sample. If it is one value for the whole batch (an image size, say), "
+                "wrap it in autobatch.per_batch(...) where the batch is made; use a list for "
+                "per-sample values to silence this",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     # For the guard ----------------------------------------------------------------------------
 
@@ -1466,12 +2069,9 @@ class _Engine:
             grown = self.sizes.maybe_grow(key, eps, total, _room(memory))
             if grown is not None:
                 self._size_changed(*grown, "grow", _ACTIVE_GUARD.get())
-        n = self.sizes.piece(key, eps, total - done, _room(memory))
-        coord = self.coordinated()
-        if coord is not None:
-            n = coord.piece(n, total - done)
+        n = self._piece(key, eps, total - done, memory, self.coordinated())
         if n < total:
-            self._warn_batchnorm()
+            self._warn_tuples(batch)
         return n
 
 
@@ -1507,17 +2107,20 @@ class RetryingStep(Generic[P, R]):
         if engine.sizes.states or engine.coordinated() is not None:
             # memory ran short before (pieces, measured), or every step is agreed by all ranks
             return cast(R, engine.call(args, kwargs))
-        stamp = engine._stamp()  # the fast path: a try, and the parameters' version counters
+        # The fast path: a try, the parameters' version counters, a copy of the buffers that
+        # change (if any), and the modules watched on the first call.
+        attempt = _Attempt(engine, learn=engine.calls == 0)
         try:
-            result = engine.fn(*args, **kwargs)
+            with attempt:
+                result = engine.fn(*args, **kwargs)
         except BaseException as exc:
             failure = engine._capture(exc)
             if failure is None:
                 raise
         else:
-            engine.calls += 1
+            engine.succeeded(attempt)
             return cast(R, result)
-        return cast(R, engine.call(args, kwargs, failure, stamp))
+        return cast(R, engine.call(args, kwargs, failure, attempt))
 
     def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., R]:
         if obj is None:
@@ -1558,7 +2161,7 @@ def retry_on_oom(
     fn: None = None,
     /,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: OptimizerOption = None,
     policy: Policy | None = None,
     reduction: Reduction = "mean",
     batch_arg: str | None = None,
@@ -1569,6 +2172,7 @@ def retry_on_oom(
     device: DeviceLike = None,
     headroom: float = 0.1,
     sync_ranks: bool = True,
+    items: ItemsFn | None = None,
 ) -> Callable[[Callable[P, R]], RetryingStep[P, R]]: ...
 
 
@@ -1576,7 +2180,7 @@ def retry_on_oom(
     fn: Callable[P, R] | None = None,
     /,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: OptimizerOption = None,
     policy: Policy | None = None,
     reduction: Reduction = "mean",
     batch_arg: str | None = None,
@@ -1587,6 +2191,7 @@ def retry_on_oom(
     device: DeviceLike = None,
     headroom: float = 0.1,
     sync_ranks: bool = True,
+    items: ItemsFn | None = None,
 ) -> RetryingStep[P, R] | Callable[[Callable[P, R]], RetryingStep[P, R]]:
     """Make a step function survive CUDA out-of-memory by running its batch in smaller pieces.
 
@@ -1613,12 +2218,17 @@ def retry_on_oom(
 
     Args:
         fn: the step function (bare form only).
-        optimizer: the optimizer the step calls; enables ``"accumulate"`` and the check that an
-            OOM did not leave a partly applied update.
+        optimizer: the optimizer the step calls, or a list of every optimizer it calls (each
+            stepped once per batch under ``"accumulate"``); enables ``"accumulate"`` and the
+            check that an OOM did not leave a partly applied update.
         policy: ``"accumulate"`` (one optimizer step per batch; default with an optimizer) or
             ``"shrink"`` (one step per piece; default without).
         reduction: how the step's loss reduces over samples: ``"mean"`` weights each piece by its
             share of the batch, ``"sum"`` adds pieces.
+        items: for a loss averaged over something other than rows (tokens): a function of a
+            batch returning how many items its loss averages over, e.g. ``lambda b:
+            (b["labels"] != -100).sum()``; each piece is then weighted by its share of the
+            batch's items (``"mean"`` only).
         batch_arg: the name of the argument holding the batch; default the first positional one
             (``self``/``cls`` skipped).
         min_batch: the smallest piece allowed; an OOM at it raises :class:`BatchSizeError`.
@@ -1626,9 +2236,9 @@ def retry_on_oom(
             batch); a failed try returns to the last good size and doubles the wait.
         scaler: the ``torch.amp.GradScaler`` the step uses, so that its ``unscale_``, ``step``
             and ``update`` run once per batch under ``"accumulate"``.
-        model: the model, for the warning about BatchNorm in micro-batches and to weight
-            gradients of parameters outside the optimizer (default: modules the step function
-            refers to by name).
+        model: a module the step runs, watched from the first call on (its buffers rolled
+            back after a failed attempt, its parameters' gradients weighted); modules the step
+            refers to by name, and modules seen running in the first calls, are watched too.
         device: where memory is measured; default the device of the batch's first tensor.
         headroom: the fraction of the memory model's largest size left unused.
         sync_ranks: under an initialised ``torch.distributed`` process group, keep every rank in
@@ -1649,6 +2259,7 @@ def retry_on_oom(
         device=device,
         headroom=headroom,
         sync_ranks=sync_ranks,
+        items=items,
     )
 
     def decorate(step: Callable[P, R]) -> RetryingStep[P, R]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import random
 import sys
 from dataclasses import dataclass, field
@@ -12,6 +13,26 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch._backends import restore_rng_states, save_rng_states
+
+
+def modules_referenced(*objects: Any) -> list[torch.nn.Module]:
+    """Modules among ``objects`` and among the names their code refers to (globals and
+    closure variables of functions): a loss module, or the modules a step function uses."""
+    found: dict[int, torch.nn.Module] = {}
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            found[id(obj)] = obj
+            continue
+        if not callable(obj):
+            continue
+        try:
+            names = inspect.getclosurevars(inspect.unwrap(obj))
+        except (TypeError, ValueError):
+            continue
+        for value in (*names.nonlocals.values(), *names.globals.values()):
+            if isinstance(value, torch.nn.Module):
+                found[id(value)] = value
+    return list(found.values())
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -27,26 +48,84 @@ def _put_back(target: torch.Tensor, saved: torch.Tensor) -> None:
 
 
 @dataclass
+class _Grad:
+    """A gradient kept as the same tensor object across the trials.
+
+    A gradient that is the only user of its storage gives that storage up for the trials (a
+    training step starts without gradients) and gets a new one with the same bytes back; one
+    that shares its storage (a view of a flat buffer, DDP's bucket views) keeps it, since the
+    buffer lives on through training anyway."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    saved: torch.Tensor  # host copy of the storage's bytes
+    freed: bool
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def take(cls, param: torch.Tensor) -> _Grad | None:
+        grad = param.grad
+        if grad is None:
+            return None
+        if grad.layout != torch.strided:  # a sparse gradient: set aside as it is
+            param.grad = None
+            return cls(param, grad, torch.empty(0), False, 0, (), ())
+        storage = grad.untyped_storage()
+        with _disable_current_modes():
+            raw = torch.empty(0, dtype=torch.uint8, device=grad.device).set_(storage)
+            saved = raw.to("cpu", copy=True)
+        del raw
+        kept = cls(param, grad, saved, False, int(grad.storage_offset()), tuple(grad.shape),
+                   tuple(grad.stride()))
+        param.grad = None
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        sole = use_count is not None and use_count(storage._cdata) <= 2  # grad and `storage`
+        del storage
+        if sole:
+            with torch.no_grad():
+                grad.set_(torch.empty(0, dtype=grad.dtype, device=grad.device).untyped_storage())
+            kept.freed = True
+        return kept
+
+    def put_back(self) -> None:
+        grad = self.grad
+        with torch.no_grad():
+            if self.freed:
+                raw = torch.empty(self.saved.numel(), dtype=torch.uint8, device=grad.device)
+                raw.copy_(self.saved)
+                grad.set_(raw.untyped_storage(), self.offset, self.size, self.stride)
+                del raw
+                self.freed = False
+            elif grad.layout == torch.strided:
+                raw = torch.empty(0, dtype=torch.uint8, device=grad.device).set_(
+                    grad.untyped_storage()
+                )
+                raw.copy_(self.saved)
+        self.param.grad = grad
+
+
+@dataclass
 class _ModuleState:
     tensors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     buffers: list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=list
     )
-    grads: list[tuple[torch.Tensor, torch.Tensor | None, torch.device | None]] = field(
-        default_factory=list
-    )
+    grads: list[_Grad] = field(default_factory=list)
     flags: list[tuple[torch.Tensor, bool]] = field(default_factory=list)
     training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
 
 
 class Snapshot:
-    """Everything a trial may change: parameters, gradients, buffers, ``requires_grad`` and
-    ``training`` flags, optimizer state and hyper-parameters, GradScaler, RNG streams.
+    """Everything a trial may change: parameters (the model's, the optimizer's and those of
+    ``modules``, e.g. a loss module), gradients, buffers, ``requires_grad`` and ``training``
+    flags, optimizer state and hyper-parameters, GradScaler, RNG streams.
 
-    Device tensors are copied to host memory; gradients are moved off the device for the
-    duration (a training step starts without them), so trials measure what a real step needs.
+    Device tensors are copied to host memory; gradients leave their parameters for the trials
+    (a training step starts without them), so trials measure what a real step needs.
     :meth:`restore` puts every value back bit for bit, into the same tensor objects where they
-    still exist.
+    still exist, gradients included (a gradient that was a view of a flat buffer is one again).
     """
 
     def __init__(
@@ -54,24 +133,34 @@ class Snapshot:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         extras: tuple[Any, ...] = (),
+        modules: tuple[torch.nn.Module, ...] = (),
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.module = _ModuleState()
-        for module in model.modules():
-            self.module.training.append((module, module.training))
-            for name, buf in module._buffers.items():
-                self.module.buffers.append(
-                    (module, name, buf, None if buf is None else _host_copy(buf))
-                )
-        for param in model.parameters():
+        seen: set[int] = set()
+        for owner in (model, *modules):
+            for module in owner.modules():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                self.module.training.append((module, module.training))
+                for name, buf in module._buffers.items():
+                    self.module.buffers.append(
+                        (module, name, buf, None if buf is None else _host_copy(buf))
+                    )
+        params: dict[int, torch.Tensor] = {}
+        for owner in (model, *modules):
+            params.update((id(p), p) for p in owner.parameters())
+        if optimizer is not None:
+            params.update((id(p), p) for g in optimizer.param_groups for p in g["params"])
+        for param in params.values():
             self.module.tensors.append((param, _host_copy(param)))
             self.module.flags.append((param, param.requires_grad))
-            grad = param.grad
-            self.module.grads.append(
-                (param, None if grad is None else _host_copy(grad), None if grad is None else grad.device)
-            )
-            param.grad = None
+            kept = _Grad.take(param)
+            if kept is not None:
+                self.module.grads.append(kept)
+        self.params = list(params.values())
         self.optimizer_state = self._save_optimizer(optimizer) if optimizer is not None else None
         self.extras = [(obj, self._save_object(obj)) for obj in extras]
         self.rng = save_rng_states()
@@ -120,8 +209,10 @@ class Snapshot:
             _put_back(param, saved)
         for param, flag in state.flags:
             param.requires_grad_(flag)
-        for param, grad, device in state.grads:
-            param.grad = None if grad is None or device is None else grad.to(device, copy=True)
+        for param in self.params:
+            param.grad = None
+        for kept in state.grads:
+            kept.put_back()
         if self.optimizer is not None and self.optimizer_state is not None:
             self._restore_optimizer(self.optimizer, self.optimizer_state)
         for obj, attributes in self.extras:

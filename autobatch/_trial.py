@@ -26,7 +26,7 @@ from autobatch import _batch
 from autobatch._backends import DeviceMemory, free_memory
 from autobatch._log import get_logger
 from autobatch._oom import failure_kind
-from autobatch._state import Snapshot
+from autobatch._state import Snapshot, modules_referenced
 from autobatch._units import format_bytes
 from autobatch.search import Outcome
 
@@ -182,7 +182,10 @@ def prepared(
     afterwards gradients dropped, everything put back and the device cache emptied, also when
     a trial raised."""
     made = make_optimizer(optimizer if train else None, model)
-    snapshot = Snapshot(model, made, tuple(x for x in (scaler,) if x is not None))
+    snapshot = Snapshot(
+        model, made, tuple(x for x in (scaler,) if x is not None),
+        modules=tuple(m for m in modules_referenced(loss_fn, step_fn) if m is not model),
+    )
     work = Workload(
         model, made, make_step(model, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler)
     )

@@ -16,12 +16,14 @@ from hypothesis import strategies as st
 
 import autobatch._batch
 from autobatch._batch import (
+    ambiguous_paths,
     batch_size,
     concat_batches,
     describe,
     elements_per_sample,
     map_tensors,
     move_batch,
+    per_batch,
     resize_batch,
     shape_key,
     slice_batch,
@@ -289,6 +291,59 @@ def test_a_per_sample_list_sliced_to_no_rows_concatenates_back() -> None:
     empty = slice_batch(batch, 1, 1)
     assert empty["names"] == []
     assert_same(concat_batches([empty, batch, empty]), batch)
+
+
+def test_a_tuple_of_another_length_is_one_value_for_the_batch() -> None:
+    batch = {"x": torch.zeros(4, 2), "size": (224, 448), "box": (0, 0, 9), "ids": [1, 2, 3, 4]}
+    assert batch_size(batch) == 4
+    pieces = split_batch(batch, 3)
+    assert [p["size"] for p in pieces] == [(224, 448), (224, 448)]
+    assert [p["box"] for p in pieces] == [(0, 0, 9), (0, 0, 9)]
+    assert [p["ids"] for p in pieces] == [[1, 2, 3], [4]]
+    assert_same(concat_batches(pieces), batch)
+    assert resize_batch(batch, 6)["size"] == (224, 448)
+    assert ambiguous_paths(batch) == []
+    with pytest.raises(ValueError, match="differs"):  # a list is per-sample: its length must fit
+        batch_size({"x": torch.zeros(4, 2), "names": ["a", "b"]})
+
+
+def test_a_tuple_as_long_as_the_batch_is_split_and_reported_ambiguous() -> None:
+    batch = {"x": torch.zeros(2, 3), "ids": (5, 9)}
+    assert [p["ids"] for p in split_batch(batch, 1)] == [(5,), (9,)]
+    assert ambiguous_paths(batch) == ["batch['ids']"]
+    assert ambiguous_paths({"ids": (5, 9)}) == []  # nothing else sets the size: it is the size
+    assert batch_size({"ids": (5, 9), "more": ("a", "b")}) == 2
+
+
+def test_per_batch_marks_a_value_that_is_never_split() -> None:
+    size = per_batch((224, 448))
+    names = per_batch(["train", "val"])
+    assert size == (224, 448)
+    assert isinstance(size, tuple)
+    assert names == ["train", "val"]
+    assert isinstance(names, list)
+    batch = {"x": torch.zeros(2, 3), "size": size, "splits": names}
+    pieces = split_batch(batch, 1)
+    assert [(p["size"], p["splits"]) for p in pieces] == [(size, names)] * 2
+    assert ambiguous_paths(batch) == []
+    assert per_batch(size) is size
+    with pytest.raises(TypeError, match="list or a tuple"):
+        per_batch(torch.zeros(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="at least one tensor"):
+        batch_size({"size": size})
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), extra=st.integers(0, 4), piece=st.integers(1, 9))
+def test_tuples_split_only_when_as_long_as_the_batch(rows: int, extra: int, piece: int) -> None:
+    values = tuple(range(100, 100 + rows + extra))
+    batch = {"x": torch.arange(rows), "t": values}
+    pieces = split_batch(batch, piece)
+    if extra:
+        assert all(p["t"] == values for p in pieces)
+    else:
+        assert [v for p in pieces for v in p["t"]] == list(values)
+    assert sum(batch_size(p) for p in pieces) == rows
 
 
 def test_an_empty_batch_splits_into_no_pieces() -> None:

@@ -195,7 +195,7 @@ def test_ddp_guard_recovers_from_an_oom_on_one_rank_in_every_phase(tmp_path: Pat
             torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6, msg=name)
     # An OOM inside a later optimizer.step may have half-updated rank 1: both ranks stop, clearly.
     zero, one = (ranks[r]["late step"]["error"] for r in (0, 1))
-    assert "optimizer.step() failed on this rank" in one, one
+    assert "SGD.step() failed on this rank" in one, one
     assert zero.startswith("rank 1 failed in this step"), zero
 
 

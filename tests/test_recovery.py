@@ -583,7 +583,7 @@ def test_oom_after_the_optimizer_step_is_a_clear_error() -> None:
         run.step(b)
         raise _oom()  # e.g. an EMA update after the optimizer step
 
-    with pytest.raises(AutobatchError, match=r"after optimizer\.step\(\) had updated"):
+    with pytest.raises(AutobatchError, match=r"after AdamW\.step\(\) had updated"):
         step_then_oom(batch)
     assert run.steps == 1
 

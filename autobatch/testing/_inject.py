@@ -15,6 +15,8 @@ from torch.optim.optimizer import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autobatch._accounting import call_keeping_versions
+
 _CUDA_TAIL = (
     "\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
     "stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1"
@@ -214,4 +216,4 @@ class inject_oom(TorchDispatchMode):  # used like a function: `with inject_oom(.
             if self._optimizer_depth:
                 self._optimizer_depth -= 1  # the step is abandoned; its post-hook will not run
             raise OOM_KINDS[self.kind]()
-        return func(*args, **kwargs)
+        return call_keeping_versions(func, args, kwargs)

@@ -1,0 +1,90 @@
+"""What a search leaves behind: every parameter it could touch, and the same gradient objects."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import autobatch
+from autobatch._state import Snapshot
+from autobatch.testing import SimulatedGPU
+
+
+class ProxyLoss(nn.Module):
+    """A loss with learnable parameters (class proxies and a temperature), trained with the model."""
+
+    def __init__(self, classes: int = 10, dim: int = 10) -> None:
+        super().__init__()
+        self.proxies = nn.Parameter(torch.randn(classes, dim))
+        self.temperature = nn.Parameter(torch.tensor(0.5))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        logits = nn.functional.normalize(out, dim=1) @ self.proxies.T / self.temperature
+        return nn.functional.cross_entropy(logits, target)
+
+
+def _state(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors]
+
+
+def test_a_loss_module_in_the_optimizer_is_restored_bit_for_bit() -> None:
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    loss = ProxyLoss()
+    opt = torch.optim.AdamW([*model.parameters(), *loss.parameters()], lr=0.1)
+    sample = (torch.randn(4, 32), torch.randint(0, 10, (4,)))
+    before = _state(*model.parameters(), *loss.parameters(), *loss.buffers())
+    with SimulatedGPU("2MiB", adopt=[model, loss, opt]) as gpu:
+        baseline = gpu.allocated_bytes
+        n = autobatch.find_max_batch(model, sample, opt, loss_fn=loss, max_batch=4096)
+        assert gpu.allocated_bytes == baseline
+    assert n > 4
+    after = _state(*model.parameters(), *loss.parameters(), *loss.buffers())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(p.grad is None for p in loss.parameters())
+    assert not opt.state
+
+
+def test_parameters_only_the_optimizer_holds_are_restored() -> None:
+    model = nn.Linear(8, 8)
+    scale = nn.Parameter(torch.ones(8))  # used by the step, held by the optimizer only
+    opt = torch.optim.SGD([*model.parameters(), scale], lr=0.5, momentum=0.9)
+    snapshot = Snapshot(model, opt)
+    model(torch.randn(4, 8)).mul(scale).sum().backward()
+    opt.step()
+    snapshot.restore()
+    assert torch.equal(scale.detach(), torch.ones(8))
+    assert scale.grad is None
+    assert not opt.state
+
+
+def test_gradients_stay_the_same_objects_and_views_of_their_flat_buffer() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    flat = torch.randn(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:  # gradients as views of one flat buffer (as DDP's bucket views are)
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    own = nn.Linear(16, 4)
+    own.weight.grad = torch.randn_like(own.weight)  # a gradient that owns its storage
+    grads = [p.grad for p in params]
+    own_grad = own.weight.grad
+    values = _state(flat, own_grad)
+    sample = (torch.randn(2, 16), torch.randint(0, 4, (2,)))
+    with SimulatedGPU("1MiB", adopt=[model, opt, own, flat]):
+        autobatch.find_max_batch(model, sample, opt, max_batch=512,
+                                 loss_fn=nn.functional.cross_entropy)
+        snapshot = Snapshot(own)
+        assert own.weight.grad is None
+        assert own_grad.untyped_storage().nbytes() == 0  # its memory is free during trials
+        snapshot.restore()
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    assert all(
+        g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for g in grads
+    )
+    assert own.weight.grad is own_grad
+    assert torch.equal(flat, values[0])
+    assert torch.equal(own_grad, values[1])
