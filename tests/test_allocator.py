@@ -479,3 +479,10 @@ def test_freeing_everything_merges_each_segment_back_into_one_free_block(
         (size, state) for _, size, state, _ in a.blocks()
     ]
     assert a.stats()["inactive_split_bytes.all.current"] == 0
+
+
+def test_a_request_larger_than_an_expandable_segment_is_refused() -> None:
+    a = CachingAllocator(100 * MiB, expandable_segments=True, address_space=20 * MiB)
+    with pytest.raises(AllocatorOutOfMemory):
+        a.malloc(30 * MiB)
+    assert a.allocated_bytes == 0

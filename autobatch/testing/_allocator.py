@@ -575,7 +575,8 @@ class CachingAllocator:
             candidate = mapped
         while candidate.size < size:
             following = candidate.next
-            assert following is not None  # the room found runs on into unmapped space
+            if following is None or following.mapped:
+                return None  # a request larger than a whole segment's address space
             mapped = self._map(following, min(size - candidate.size, following.size))
             if mapped is None:
                 return None
