@@ -387,7 +387,7 @@ def test_an_operator_refused_midway_keeps_what_it_allocated_in_the_peak() -> Non
         assert gpu.allocated_bytes == 12 * MiB  # the values were dropped with the error
         assert gpu.peak_bytes == 24 * MiB  # but they existed, as they would on a GPU
         assert gpu.reserved_bytes == 24 * MiB  # and their segment stays cached
-    with SimulatedGPU("40MiB") as gpu:  # the exact model counts after the operator
+    with SimulatedGPU("40MiB", allocator="exact") as gpu:  # it counts after the operator
         gpu.adopt(x)
         with pytest.raises(torch.OutOfMemoryError):
             torch.sort(x)
@@ -482,7 +482,7 @@ def test_backend_reports_reserved_memory_and_cuda_statistics() -> None:
         memory.reset_peak()
         assert (memory.peak_reserved_bytes(), memory.peak_bytes()) == (0, 0)
         assert "reserved=0 bytes" in repr(gpu)
-    with SimulatedGPU("64MiB") as gpu:  # the exact model reserves what it allocates
+    with SimulatedGPU("64MiB", allocator="exact") as gpu:  # it reserves what it allocates
         memory = memory_for("cpu")
         t = _bytes(3 * MiB)
         assert memory.reserved_bytes() == memory.allocated_bytes() == 3 * MiB
@@ -519,7 +519,7 @@ def test_allocator_options_come_from_keywords_or_pytorch_cuda_alloc_conf(
     assert gpu.memory_stats()["max_split_size"] == 64 * MiB
     gpu = SimulatedGPU("1GiB", allocator="caching", max_split_size_mb=32)
     assert gpu.memory_stats()["max_split_size"] == 32 * MiB
-    SimulatedGPU("1GiB")  # the exact model does not read the variable
+    SimulatedGPU("1GiB", allocator="exact")  # the exact model does not read the variable
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:[256:1,>:4],expandable_segments:True")
     with pytest.warns(UserWarning, match="roundup_power2_divisions"):
         assert block_for_19_mib() == 19 * MiB
@@ -540,7 +540,7 @@ def test_allocator_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="'exact' or 'caching'"):
         SimulatedGPU("1GiB", allocator="cuda")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="allocator='caching'"):
-        SimulatedGPU("1GiB", expandable_segments=True)
+        SimulatedGPU("1GiB", allocator="exact", expandable_segments=True)
     with pytest.raises(ValueError, match="block_bytes"):
         SimulatedGPU("1GiB", allocator="caching", block_bytes=1)
     with pytest.raises(ValueError, match="at least 20"):
