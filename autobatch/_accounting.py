@@ -126,7 +126,9 @@ class CountingMode(TorchDispatchMode):
     ``check(added_bytes)`` runs after each operator that added bytes, with the ledger already
     updated. When it returns an exception, the operator's outputs are dropped (so the ledger is
     back where it was before the operator) and the exception is raised from a frame that holds
-    none of them.
+    none of them. A ledger that models an allocator may refuse a storage itself: its ``add``
+    raises ``torch.OutOfMemoryError``, and the outputs are dropped and the error raised the
+    same way.
     """
 
     def __init__(
@@ -148,16 +150,25 @@ class CountingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         peak_before = self.ledger.peak_bytes
         out = call_keeping_versions(func, args, kwargs)
-        added = self._count(func, out, args, kwargs)
-        if added > 0 and self.check is not None:
-            error = self.check(added)
-            if error is not None:
-                del out  # the rejected outputs die here, before the error is raised
-                self.ledger.peak_bytes = peak_before  # they were never really allocated
-                try:
-                    raise error
-                finally:  # no local may point at the error: error -> traceback -> this frame
-                    del error  # would be a cycle that keeps the failed step alive until gc
+        error: BaseException | None = None
+        try:
+            added = self._count(func, out, args, kwargs)
+        except torch.OutOfMemoryError as refused:
+            # The ledger's allocator could not place one output. Its traceback holds the
+            # frames that hold the outputs: drop it. The outputs placed before that one were
+            # allocated (on a GPU too), so the peak keeps them.
+            error = refused.with_traceback(None)
+        else:
+            if added > 0 and self.check is not None:
+                error = self.check(added)
+                if error is not None:  # the outputs were counted after the fact: on a GPU,
+                    self.ledger.peak_bytes = peak_before  # they were never all allocated
+        if error is not None:
+            del out  # the rejected outputs die here, before the error is raised
+            try:
+                raise error
+            finally:  # no local may point at the error: error -> traceback -> this frame
+                del error  # would be a cycle that keeps the failed step alive until gc
         return out
 
     def _count(self, func: Any, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

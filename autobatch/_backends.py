@@ -4,6 +4,11 @@ Everything else in autobatch asks :func:`memory_for` about memory and never call
 (or ``torch.mps``, ``torch.xpu``) itself. Every call that a CPU-only build of torch refuses is
 guarded here (``torch.cuda.mem_get_info`` and ``synchronize`` raise ``AssertionError`` there, and
 ``reset_peak_memory_stats`` raises ``AttributeError``).
+
+Allocated bytes are what live tensors hold; reserved bytes what the device's caching allocator
+holds from the device (live tensors plus its cache). A caching allocator runs out when a new
+segment does not fit beside what it reserved, so backends that know it report reserved bytes
+and the allocator's statistics too (:meth:`DeviceMemory.memory_stats`).
 """
 
 from __future__ import annotations
@@ -54,8 +59,30 @@ class DeviceMemory(ABC):
         """Start a new peak measurement."""
 
     def free_bytes(self) -> int:
-        """Bytes that a new allocation can still get (device free plus this process's cache)."""
+        """Bytes that new allocations can still get: device memory no one holds plus this
+        process's cached, free blocks.
+
+        An upper bound: work whose live bytes exceed it cannot fit. With a caching allocator,
+        work that needs less may still run out (fragmentation: a request must fit in one cached
+        block or in a new segment); what new segments can take is the capacity less the
+        reserved bytes (:meth:`reserved_bytes`) and other processes' memory.
+        """
         return max(self.capacity_bytes() - self.allocated_bytes(), 0)
+
+    def reserved_bytes(self) -> int | None:
+        """Bytes the caching allocator holds from the device, cached blocks included (``None``
+        where the backend cannot tell)."""
+        return None
+
+    def peak_reserved_bytes(self) -> int | None:
+        """Highest :meth:`reserved_bytes` since the last :meth:`reset_peak` (``None``: unknown)."""
+        return None
+
+    def memory_stats(self) -> dict[str, int] | None:
+        """The caching allocator's statistics under ``torch.cuda.memory_stats()``'s key names
+        (``"reserved_bytes.all.current"``, ``"num_alloc_retries"``, ...); ``None`` where the
+        backend keeps none."""
+        return None
 
     def synchronize(self) -> None:
         """Wait for queued work, so that failures and timings belong to the right step."""
@@ -115,6 +142,15 @@ class CudaMemory(DeviceMemory):
             reachable = min(reachable, int(fraction(self.device) * total) - allocated)
         return int(max(reachable, 0))
 
+    def reserved_bytes(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def peak_reserved_bytes(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    def memory_stats(self) -> dict[str, int]:
+        return dict(torch.cuda.memory_stats(self.device))
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -162,6 +198,20 @@ class XpuMemory(DeviceMemory):
         if hasattr(torch.xpu, "mem_get_info"):
             return int(torch.xpu.mem_get_info(self.device)[0])
         return super().free_bytes()
+
+    # torch.xpu has a caching allocator with CUDA's statistics since torch 2.5; older builds
+    # lack these functions, and the backend then reports nothing.
+    def reserved_bytes(self) -> int | None:
+        reserved = getattr(torch.xpu, "memory_reserved", None)
+        return None if reserved is None else int(reserved(self.device))
+
+    def peak_reserved_bytes(self) -> int | None:
+        peak = getattr(torch.xpu, "max_memory_reserved", None)
+        return None if peak is None else int(peak(self.device))
+
+    def memory_stats(self) -> dict[str, int] | None:
+        stats = getattr(torch.xpu, "memory_stats", None)
+        return None if stats is None else dict(stats(self.device))
 
     def synchronize(self) -> None:
         torch.xpu.synchronize(self.device)
@@ -327,8 +377,8 @@ def free_memory(device: DeviceLike = None) -> None:
     gc.collect()
     if device is not None:
         targets = [memory_for(device)]
-    else:
-        targets = [b(resolve_device(b.device_types[0])) for b in BACKENDS if b.available()]
+    else:  # through memory_for, so that a simulated GPU empties its cache too
+        targets = [memory_for(b.device_types[0]) for b in BACKENDS if b.available()]
     for memory in targets:
         memory.synchronize()
         memory.empty_cache()

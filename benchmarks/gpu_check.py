@@ -21,6 +21,14 @@
 5. What the finder's recording costs: one steady-state step timed bare, inside
    ``_StepPeaks(per_operator=False)`` (the two phases) and inside ``_StepPeaks(per_operator=True)``
    (a peak per dispatched operator), and how many operators were recorded.
+6. The caching-allocator model against CUDA's allocator: the same AdamW steps (``foreach=True``)
+   from an empty cache, with the model, its state and the batch created in the same order, on
+   the GPU and on ``SimulatedGPU(allocator="caching")``: ``torch.cuda.max_memory_reserved``
+   against the simulated reserved peak, the allocated peaks, the segments (CUDA's count, which
+   leaves expandable segments out) and allocation retries, with and without
+   ``expandable_segments`` (set at run time on the GPU). Neither side
+   is capped. Kernel workspaces (cuBLAS, cuDNN) and CUDA-only kernels are what the simulator
+   cannot see; in the dry run both sides are simulated and every difference must be 0.
 The process's memory fraction is a setting of this process's allocator, not of the card.
 """
 
@@ -461,6 +469,101 @@ def check_recording_cost(
     return rows
 
 
+@contextlib.contextmanager
+def _allocator(
+    device: torch.device, expandable: bool, dry_run: bool
+) -> Iterator[DeviceMemory | None]:
+    """The device's allocator from an empty cache, with ``expandable_segments`` as asked (the
+    backend, or ``None`` where torch cannot switch it at run time); a caching SimulatedGPU
+    standing in for the device in the dry run."""
+    if dry_run:
+        with SimulatedGPU(2**40, allocator="caching", expandable_segments=expandable):
+            yield memory_for(device)
+        return
+    switch = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if switch is None and expandable:
+        yield None
+        return
+    autobatch.free_memory(device)
+    if switch is not None:
+        switch(f"expandable_segments:{expandable}")
+    try:
+        yield memory_for(device)
+    finally:
+        autobatch.free_memory(device)  # segments made expandable go before the switch back
+        if switch is not None:
+            switch("expandable_segments:False")
+
+
+def _reserving_steps(
+    template: nn.Module, batch: tuple[torch.Tensor, ...], device: torch.device,
+    memory: DeviceMemory, steps: int = 3,
+) -> tuple[int, int, int, int]:
+    """``steps`` AdamW steps of a copy of ``template`` moved to ``device`` (module order, as
+    ``.to(device)`` allocates), then the batch: (peak allocated, peak reserved, segments,
+    allocation retries), less what the allocator held before."""
+    stats = memory.memory_stats() or {}
+    retries = stats.get("num_alloc_retries", 0)
+    memory.synchronize()
+    memory.reset_peak()
+    allocated, reserved = memory.allocated_bytes(), memory.reserved_bytes() or 0
+    model = copy.deepcopy(template)
+    # Module._apply is what .to() runs: a copy of every parameter and buffer, children first.
+    # On the CPU, .to("cpu") would keep the tensors; a copy makes the simulator see them.
+    model._apply(lambda t: t.to(device, copy=True))
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x, y = (t.to(device, copy=True) for t in batch)
+    for _ in range(steps):
+        _step(model, opt, x, y)
+    memory.synchronize()
+    stats = memory.memory_stats() or {}
+    result = (
+        memory.peak_bytes() - allocated,
+        (memory.peak_reserved_bytes() or 0) - reserved,
+        stats.get("segment.all.current", 0),
+        stats.get("num_alloc_retries", 0) - retries,
+    )
+    model.zero_grad(set_to_none=True)
+    del model, opt, x, y
+    return result
+
+
+def check_reserved(
+    device: torch.device, dry_run: bool, workloads: Workloads, sizes: tuple[int, ...] = (16, 128)
+) -> list[str]:
+    rows = [
+        "| model | batch | expandable | reserved peak: GPU | reserved peak: simulator "
+        "| difference | allocated peak: GPU | allocated peak: simulator | segments: GPU "
+        "| segments: simulator | retries: GPU | retries: simulator |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cpu = torch.device("cpu")
+    for name, (make, sample) in workloads.items():
+        torch.manual_seed(0)
+        template = make()
+        for n in sizes:
+            batch = sample(n)
+            for expandable in (False, True):
+                with _allocator(device, expandable, dry_run) as memory:
+                    if memory is None:
+                        rows.append(f"| {name} | {n} | {expandable} | this torch cannot switch "
+                                    "expandable segments at run time |")
+                        continue
+                    real = _reserving_steps(template, batch, device, memory)
+                with SimulatedGPU(2**40, allocator="caching", expandable_segments=expandable):
+                    simulated = _reserving_steps(template, batch, cpu, memory_for(cpu))
+                mib = 2**20
+                rows.append(
+                    f"| {name} | {n} | {expandable} | {real[1] / mib:.1f} MiB | "
+                    f"{simulated[1] / mib:.1f} MiB | "
+                    f"{(simulated[1] - real[1]) / max(real[1], 1) * 100:+.1f}% | "
+                    f"{real[0] / mib:.1f} MiB | {simulated[0] / mib:.1f} MiB | {real[2]} | "
+                    f"{simulated[2]} | {real[3]} | {simulated[3]} |"
+                )
+        autobatch.free_memory()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="run on a SimulatedGPU (CPU)")
@@ -478,6 +581,8 @@ def main() -> None:
         ("3. SimulatedGPU (CPU) vs the GPU, one steady-state AdamW step", check_simulator),
         ("4. retry_on_oom + oom_guard on a real OOM", check_guard),
         ("5. Cost of recording peaks during a trial (min of 5 steps)", check_recording_cost),
+        ("6. Caching-allocator model vs CUDA's allocator: reserved peak of the same steps",
+         check_reserved),
     ]
     for title, check in checks:
         start = time.perf_counter()

@@ -42,3 +42,10 @@ def test_gpu_check_dry_run_passes_every_check() -> None:
         assert next(v for k, v in row.items() if k.startswith("params allclose")).startswith("True")
     for heading in ("## 2.", "## 3.", "## 5."):
         assert _table(out, heading), heading
+    reserved = _table(out, "## 6.")
+    assert {row["expandable"] for row in reserved} == {"True", "False"}
+    for row in reserved:  # both sides are the same simulator: no difference at all
+        assert row["difference"] == "+0.0%", row
+        for measure in ("reserved peak", "allocated peak", "segments", "retries"):
+            assert row[f"{measure}: GPU"] == row[f"{measure}: simulator"], row
+        assert row["reserved peak: GPU"] != "0.0 MiB", row

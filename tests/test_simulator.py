@@ -5,12 +5,14 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import autobatch
-from autobatch._accounting import round_allocation
+from autobatch._accounting import round_allocation, storages
 from autobatch._backends import memory_for
 from autobatch.testing import OOM_KINDS, SimulatedGPU, inject_oom
 from autobatch.testing.models import WORKLOADS
@@ -283,3 +285,306 @@ def test_simulator_state_does_not_leak_between_runs() -> None:
             del t
             gc.collect()
             assert gpu.allocated_bytes == 0
+
+
+# -- the caching-allocator model --------------------------------------------------------------
+
+MiB = 2**20
+
+
+def _bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def test_caching_model_places_every_storage_in_a_cached_segment() -> None:
+    with SimulatedGPU("64MiB", allocator="caching") as gpu:
+        small = torch.empty(250)  # 1000 bytes: a 1 KiB block of a 2 MiB small-pool segment
+        assert (gpu.allocated_bytes, gpu.reserved_bytes, gpu.segments) == (1024, 2 * MiB, (2 * MiB,))
+        large = _bytes(3 * MiB)  # a 20 MiB large-pool segment
+        view = large[1:]  # a view allocates nothing
+        assert gpu.segments == (2 * MiB, 20 * MiB)
+        assert gpu.allocated_bytes == 1024 + 3 * MiB
+        del large, view
+        assert gpu.allocated_bytes == 1024
+        assert gpu.reserved_bytes == 22 * MiB  # the freed block stays cached
+        again = _bytes(3 * MiB)  # and is used again: nothing new reserved
+        assert gpu.reserved_bytes == 22 * MiB
+        del again, small
+        autobatch.free_memory()  # through the backend: every entirely free segment goes back
+        assert gpu.reserved_bytes == 0
+        assert gpu.segments == ()
+        assert gpu.peak_reserved_bytes == 22 * MiB
+
+
+def test_caching_oom_reports_the_segment_tried_and_the_reserved_but_unallocated_bytes() -> None:
+    with SimulatedGPU("30MiB", allocator="caching") as gpu:
+        keep = _bytes(5 * MiB)  # a 20 MiB segment, 15 MiB of it cached and free
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            _bytes(17 * MiB)  # needs an 18 MiB segment: 20 + 18 > 30, even after the retry
+        assert str(info.value).startswith(
+            "CUDA out of memory. Tried to allocate 18.00 MiB. GPU 0 has a total capacity of "
+            "30.00 MiB of which 10.00 MiB is free. Including non-PyTorch memory, this process "
+            "has 20.00 MiB memory in use. Of the allocated memory 5.00 MiB is allocated by "
+            "PyTorch, and 15.00 MiB is reserved by PyTorch but unallocated. If reserved but "
+            "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        )
+        assert autobatch.is_oom_error(info.value)
+        assert (gpu.num_alloc_retries, gpu.oom_count) == (1, 1)
+        assert gpu.allocated_bytes == 5 * MiB
+        del keep
+    with SimulatedGPU("21MiB", allocator="caching"):
+        keep = _bytes(5 * MiB)
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 2\.00 MiB\. "):
+            torch.empty(250)  # 1000 bytes need a whole 2 MiB small segment, and 20 + 2 > 21
+        del keep
+
+
+def _fragment_and_ask(gpu: SimulatedGPU) -> str:
+    """Twelve 5 MiB tensors, all but the first and last freed, then one of 40 MiB."""
+    blocks = [_bytes(5 * MiB) for _ in range(12)]
+    kept = (blocks[0], blocks[-1])
+    del blocks
+    assert gpu.allocated_bytes == 10 * MiB
+    message = "fits"
+    try:
+        big = _bytes(40 * MiB)
+        del big
+    except torch.OutOfMemoryError as error:
+        message = str(error)
+    del kept
+    return message
+
+
+@pytest.mark.parametrize(
+    ("options", "fits"),
+    [
+        ({"allocator": "exact"}, True),
+        ({"allocator": "caching"}, False),
+        ({"allocator": "caching", "expandable_segments": True}, True),
+    ],
+)
+def test_fragmentation_runs_out_with_most_of_the_device_unallocated(
+    options: dict[str, object], fits: bool
+) -> None:
+    with SimulatedGPU("64MiB", **options) as gpu:  # type: ignore[arg-type]
+        message = _fragment_and_ask(gpu)
+    if fits:
+        assert message == "fits"
+    else:  # 10 MiB of 64 allocated: two 20 MiB segments with 15 MiB holes (the third,
+        # entirely free, was released before the retry), and no room for a 40 MiB segment
+        assert "Tried to allocate 40.00 MiB" in message
+        assert "of which 24.00 MiB is free" in message
+        assert "10.00 MiB is allocated by PyTorch, and 30.00 MiB is reserved" in message
+        assert gpu.num_alloc_retries == 1
+
+
+def test_an_operator_refused_midway_keeps_what_it_allocated_in_the_peak() -> None:
+    x = torch.randn(3 * MiB)  # 12 MiB
+    with SimulatedGPU("40MiB", allocator="caching") as gpu:
+        gpu.adopt(x)  # one 12 MiB segment
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 24\.00 MiB"):
+            torch.sort(x)  # values (12 MiB) are placed, then indices (24 MiB) are refused
+        assert gpu.allocated_bytes == 12 * MiB  # the values were dropped with the error
+        assert gpu.peak_bytes == 24 * MiB  # but they existed, as they would on a GPU
+        assert gpu.reserved_bytes == 24 * MiB  # and their segment stays cached
+    with SimulatedGPU("40MiB", allocator="exact") as gpu:  # it counts after the operator
+        gpu.adopt(x)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.sort(x)
+        assert gpu.peak_bytes == 12 * MiB
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_caching_model_agrees_with_the_exact_one_on_allocated_bytes(name: str) -> None:
+    work = WORKLOADS[name]
+    model, (x, y) = work.model(), work.sample(32)
+    opt = torch.optim.Adam(model.parameters())
+    _train_step(model, opt, x, y)
+    seen = {}
+    for label, options in {
+        "exact": {"allocator": "exact"},
+        "expandable": {"allocator": "caching", "expandable_segments": True},
+        "caching": {"allocator": "caching"},
+    }.items():
+        with SimulatedGPU("4GiB", **options) as gpu:  # type: ignore[arg-type]
+            gpu.adopt(model, opt, x, y)
+            baseline = gpu.allocated_bytes
+            gpu.reset_peak()
+            _train_step(model, opt, x, y)
+            seen[label] = (baseline, gpu.peak_bytes, gpu.allocated_bytes)
+            assert gpu.reserved_bytes >= gpu.allocated_bytes
+            assert gpu.peak_reserved_bytes >= gpu.peak_bytes
+    # expandable segments split every block to its size: the same bytes, to the byte
+    assert seen["expandable"] == seen["exact"]
+    # otherwise a large block keeps a remainder of up to 1 MiB it could not split off
+    large = sum(1 for s in storages([model, opt, x, y]) if s.nbytes() > MiB)
+    for got, want in zip(seen["caching"], seen["exact"], strict=True):
+        assert want <= got <= want + MiB * (large + 8)
+
+
+def test_recovery_under_the_caching_model_returns_every_segment() -> None:
+    work = WORKLOADS["mlp"]
+    model, (x, y) = work.model(), work.sample(8192)  # activations of 8 MiB: several segments
+    opt = torch.optim.Adam(model.parameters())
+    _train_step(model, opt, x[:2], y[:2])
+    with SimulatedGPU("1GiB", allocator="caching") as gpu:
+        gpu.adopt(model, opt, x, y)
+        gpu.reset_peak()
+        _train_step(model, opt, x, y)
+        whole = gpu.peak_reserved_bytes
+    with SimulatedGPU("1GiB", allocator="caching") as gpu:
+        gpu.adopt(model, opt, x, y)
+        resident, reserved = gpu.allocated_bytes, gpu.reserved_bytes
+    with SimulatedGPU(reserved + (whole - reserved) // 2, allocator="caching") as gpu:
+        gpu.adopt(model, opt, x, y)
+        assert _oom_in_step(model, opt, x, y) > resident
+        opt.zero_grad(set_to_none=True)
+        assert gpu.allocated_bytes == resident
+        assert gpu.reserved_bytes > reserved  # the failed step's segments are cached
+        autobatch.free_memory()
+        assert gpu.reserved_bytes == reserved  # the resident storages' segments only
+        _train_step(model, opt, x[:2], y[:2])  # and a smaller batch runs
+        assert gpu.allocated_bytes == resident
+
+
+def test_free_bytes_bounds_what_fits_and_reserved_bytes_say_what_new_segments_get() -> None:
+    with SimulatedGPU("64MiB", allocator="caching", used_elsewhere="4MiB") as gpu:
+        blocks = [_bytes(5 * MiB) for _ in range(12)]  # 60 MiB: all that this process may use
+        del blocks[1:-1]
+        memory = memory_for("cpu")
+        assert memory.free_bytes() == 64 * MiB - 4 * MiB - 10 * MiB
+        with pytest.raises(torch.OutOfMemoryError):
+            _bytes(memory.free_bytes() + 1)  # more live bytes than free_bytes: never fits
+        with pytest.raises(torch.OutOfMemoryError):
+            _bytes(40 * MiB)  # less can fail too: a request needs one block or one segment
+        reserved = memory.reserved_bytes()
+        assert reserved == 40 * MiB  # the entirely free segment was released for the retry
+        room = gpu.capacity_bytes - gpu.used_elsewhere - reserved
+        fits = _bytes(room)  # what a new segment can take does fit
+        assert gpu.reserved_bytes == 60 * MiB
+        del fits, blocks
+
+
+def test_backend_reports_reserved_memory_and_cuda_statistics() -> None:
+    with SimulatedGPU("64MiB", allocator="caching") as gpu:
+        memory = memory_for("cpu")
+        t = _bytes(3 * MiB)
+        assert memory.reserved_bytes() == memory.peak_reserved_bytes() == 20 * MiB
+        stats = memory.memory_stats()
+        assert stats is not None
+        assert stats["allocated_bytes.all.current"] == memory.allocated_bytes() == 3 * MiB
+        assert stats["reserved_bytes.large_pool.current"] == 20 * MiB
+        assert stats["segment.all.current"] == 1
+        assert stats["num_alloc_retries"] == stats["num_ooms"] == 0
+        del t
+        memory.empty_cache()
+        assert (memory.reserved_bytes(), memory.peak_reserved_bytes()) == (0, 20 * MiB)
+        memory.reset_peak()
+        assert (memory.peak_reserved_bytes(), memory.peak_bytes()) == (0, 0)
+        assert "reserved=0 bytes" in repr(gpu)
+    with SimulatedGPU("64MiB", allocator="exact") as gpu:  # it reserves what it allocates
+        memory = memory_for("cpu")
+        t = _bytes(3 * MiB)
+        assert memory.reserved_bytes() == memory.allocated_bytes() == 3 * MiB
+        assert memory.memory_stats() == {
+            "allocated_bytes.all.current": 3 * MiB,
+            "allocated_bytes.all.peak": 3 * MiB,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+            "reserved_bytes.all.current": 3 * MiB,
+            "reserved_bytes.all.peak": 3 * MiB,
+        }
+        assert (gpu.segments, gpu.num_alloc_retries) == ((), 0)
+        del t
+
+
+def test_allocator_options_come_from_keywords_or_pytorch_cuda_alloc_conf(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def block_for_19_mib(**options: object) -> int:
+        with SimulatedGPU("1GiB", allocator="caching", **options) as gpu:  # type: ignore[arg-type]
+            t = _bytes(19 * MiB)
+            allocated = gpu.allocated_bytes
+            del t
+        return allocated
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert block_for_19_mib() == 20 * MiB  # a 1 MiB remainder is not split off
+    assert block_for_19_mib(expandable_segments=True) == 19 * MiB
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    assert block_for_19_mib() == 19 * MiB
+    assert block_for_19_mib(expandable_segments=False) == 20 * MiB  # keywords win
+    gpu = SimulatedGPU("1GiB", allocator="caching")
+    assert gpu.memory_stats()["max_split_size"] == 64 * MiB
+    gpu = SimulatedGPU("1GiB", allocator="caching", max_split_size_mb=32)
+    assert gpu.memory_stats()["max_split_size"] == 32 * MiB
+    SimulatedGPU("1GiB", allocator="exact")  # the exact model does not read the variable
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:[256:1,>:4],expandable_segments:True")
+    with pytest.warns(UserWarning, match="roundup_power2_divisions"):
+        assert block_for_19_mib() == 19 * MiB
+    for bad, match in [
+        ("max_split_size_mb:19", "at least 20"),
+        ("max_split_size_mb:lots", "whole number"),
+        ("expandable_segments:yes", "True or False"),
+    ]:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", bad)
+        with pytest.raises(ValueError, match=match):
+            SimulatedGPU("1GiB", allocator="caching")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert block_for_19_mib() == 19 * MiB
+
+
+def test_allocator_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="'exact' or 'caching'"):
+        SimulatedGPU("1GiB", allocator="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="allocator='caching'"):
+        SimulatedGPU("1GiB", allocator="exact", expandable_segments=True)
+    with pytest.raises(ValueError, match="block_bytes"):
+        SimulatedGPU("1GiB", allocator="caching", block_bytes=1)
+    with pytest.raises(ValueError, match="at least 20"):
+        SimulatedGPU("1GiB", allocator="caching", max_split_size_mb=10)
+    with pytest.raises(TypeError, match="whole number"):
+        SimulatedGPU("1GiB", allocator="caching", max_split_size_mb=20.5)  # type: ignore[arg-type]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("new"), st.integers(0, 3000)),
+            st.tuples(st.just("new"), st.integers(3000, 24 * MiB)),
+            st.tuples(st.just("drop"), st.integers(0, 100)),
+        ),
+        max_size=25,
+    ),
+    expandable=st.booleans(),
+)
+def test_real_tensors_allocate_what_the_exact_model_counts(
+    ops: list[tuple[str, int]], expandable: bool
+) -> None:
+    def run(**options: object) -> list[tuple[int, int]]:
+        seen = []
+        with SimulatedGPU("1GiB", **options) as gpu:  # type: ignore[arg-type]
+            live: list[torch.Tensor] = []
+            for op, n in ops:
+                if op == "new":
+                    live.append(_bytes(n))
+                elif live:
+                    del live[n % len(live)]
+                large = sum(1 for t in live if t.nbytes > MiB)
+                seen.append((gpu.allocated_bytes, large))
+                assert gpu.allocated_bytes <= gpu.reserved_bytes <= gpu.capacity_bytes
+            del live
+            gpu.empty_cache()
+            assert gpu.reserved_bytes == 0
+        return seen
+
+    exact = run(allocator="exact")
+    caching = run(allocator="caching", expandable_segments=expandable)
+    for (want, large), (got, _) in zip(exact, caching, strict=True):
+        if expandable:
+            assert got == want
+        else:  # a large block may keep an unsplit remainder of up to 1 MiB
+            assert want <= got <= want + large * MiB

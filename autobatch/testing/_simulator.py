@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from autobatch import _backends
-from autobatch._accounting import CUDA_BLOCK_BYTES, CountingMode, StorageLedger, storages
+from autobatch._accounting import (
+    CUDA_BLOCK_BYTES,
+    CountingMode,
+    StorageLedger,
+    _storage_key,
+    storages,
+)
 from autobatch._units import format_bytes, parse_bytes
+from autobatch.testing._allocator import (
+    LARGE_BUFFER,
+    AllocatorOutOfMemory,
+    Block,
+    CachingAllocator,
+)
 
 _active_lock = threading.Lock()
 _active: list[SimulatedGPU] = []
@@ -26,26 +42,48 @@ class SimulatedGPU:
 
     Every tensor storage created while the context is active is counted (once per storage,
     rounded to the CUDA allocator's 512-byte blocks) until it dies: forward outputs, autograd's
-    backward buffers, gradients and optimizer state alike. When an operator would take the total
-    past ``capacity``, its outputs are dropped and a real ``torch.OutOfMemoryError`` with the CUDA
-    caching allocator's message is raised, so any code that handles CUDA OOMs handles it.
-    While active, autobatch's memory backend for the CPU reports the simulator's numbers.
+    backward buffers, gradients and optimizer state alike. When memory runs out, the operator's
+    outputs are dropped and a real ``torch.OutOfMemoryError`` with the CUDA caching allocator's
+    message is raised, so any code that handles CUDA OOMs handles it. While active,
+    autobatch's memory backend for the CPU reports the simulator's numbers.
+
+    Two models of the device's allocator. ``"exact"`` (the default) counts allocated bytes:
+    memory runs out when live storages would exceed the capacity. ``"caching"`` models
+    PyTorch's CUDA caching allocator (:mod:`autobatch.testing._allocator`): every storage is a
+    block in a 2 MiB small-pool or a large-pool segment, freed blocks stay cached in their
+    segments, and memory runs out when a new segment does not fit next to those already
+    reserved, after the entirely free ones were released, as on a GPU whose process is capped
+    with ``torch.cuda.set_per_process_memory_fraction``. Allocated bytes are the blocks'
+    sizes there, as ``torch.cuda.memory_allocated`` reports them: the same as the exact
+    model's, except that a large block whose remainder is too small to split (1 MiB or less)
+    counts whole.
 
     >>> import torch
     >>> model = torch.nn.Linear(1024, 1024)
-    >>> with SimulatedGPU("64MiB") as gpu:
+    >>> with SimulatedGPU("64MiB", allocator="caching") as gpu:
     ...     _ = gpu.adopt(model)  # count what existed before entering
     ...     loss = model(torch.randn(32, 1024)).sum()
     ...     loss.backward()
-    >>> gpu.peak_bytes > gpu.capacity_bytes // 64
-    True
+    >>> gpu.peak_bytes > gpu.capacity_bytes // 64, gpu.peak_reserved_bytes >= gpu.peak_bytes
+    (True, True)
 
     Parameters
     ----------
     capacity:
         Total memory, as bytes or a string with a unit (``"512MiB"``, ``"16GiB"``, ``"80GB"``).
+    allocator:
+        ``"exact"`` (allocated bytes) or ``"caching"`` (CUDA's caching allocator: reserved
+        segments, fragmentation, release and retry).
+    expandable_segments:
+        Caching model only: one segment per pool that grows by whole pages (2 MiB small,
+        20 MiB large). ``None`` reads ``expandable_segments:True`` from
+        ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``), as torch does.
+    max_split_size_mb:
+        Caching model only: cached blocks of this many MiB or more are never split (at least
+        20, as torch requires). ``None`` reads ``max_split_size_mb:N`` from the same variable.
     block_bytes:
-        Allocation rounding; 512 matches ``torch.cuda.memory_allocated``, 1 counts raw bytes.
+        Allocation rounding of the exact model; 512 matches ``torch.cuda.memory_allocated``, 1
+        counts raw bytes. The caching model always rounds as the allocator does (512).
     device_index:
         The GPU number printed in the out-of-memory message.
     adopt:
@@ -54,16 +92,19 @@ class SimulatedGPU:
         Memory held by other processes on the same GPU: the capacity stays the device's total,
         but only the rest can be allocated (as with a shared card).
 
-    Only allocated bytes are modelled: the caching allocator's reserved-but-unused segments
-    (fragmentation) are not, so a real GPU may fail a little earlier than the simulator.
     Tensors created on other threads than the one that entered are not counted, except
-    autograd's backward, which torch runs with the entering thread's modes.
+    autograd's backward, which torch runs with the entering thread's modes. The caching model
+    sees the storages an operator returns, in order, not the workspaces a CUDA kernel may take
+    inside it.
     """
 
     def __init__(
         self,
         capacity: int | float | str,
         *,
+        allocator: Literal["exact", "caching"] = "exact",
+        expandable_segments: bool | None = None,
+        max_split_size_mb: int | None = None,
         block_bytes: int = CUDA_BLOCK_BYTES,
         device_index: int = 0,
         adopt: tuple[Any, ...] | list[Any] = (),
@@ -74,9 +115,40 @@ class SimulatedGPU:
         if self.used_elsewhere >= self.capacity_bytes:
             raise ValueError("used_elsewhere must be less than the capacity")
         self.device_index = device_index
-        self.ledger = StorageLedger(block_bytes)
         self.oom_count = 0
-        self._mode = CountingMode(self.ledger, self._check)
+        self._allocator: CachingAllocator | None = None
+        if allocator == "caching":
+            if block_bytes != CUDA_BLOCK_BYTES:
+                raise ValueError(
+                    f"block_bytes={block_bytes!r} applies to allocator='exact' only; the caching "
+                    "model rounds as CUDA's allocator does (512 bytes)"
+                )
+            config = allocator_config(os.environ)
+            if expandable_segments is None:
+                expandable_segments = bool(config.get("expandable_segments", False))
+            if max_split_size_mb is not None:
+                config["max_split_size"] = _split_size(max_split_size_mb, "max_split_size_mb")
+            self._allocator = CachingAllocator(
+                self.capacity_bytes - self.used_elsewhere,
+                expandable_segments=expandable_segments,
+                max_split_size=config.get("max_split_size"),
+                max_non_split_rounding=config.get("max_non_split_rounding", LARGE_BUFFER),
+                # an expandable segment spans 9/8 of the device's memory (ExpandableSegment)
+                address_space=self.capacity_bytes + self.capacity_bytes // 8,
+            )
+            self.ledger: StorageLedger = _AllocatorLedger(self._allocator, self._refused)
+            self._mode = CountingMode(self.ledger)
+        elif allocator == "exact":
+            if expandable_segments is not None or max_split_size_mb is not None:
+                raise ValueError(
+                    "expandable_segments and max_split_size_mb apply to allocator='caching' "
+                    "only; pass allocator='caching'"
+                )
+            self.ledger = StorageLedger(block_bytes)
+            self._mode = CountingMode(self.ledger, self._check)
+        else:
+            raise ValueError(f"allocator must be 'exact' or 'caching', got {allocator!r}")
+        self.allocator = allocator
         self._entered = False
         if adopt:
             self.adopt(*adopt)
@@ -92,12 +164,78 @@ class SimulatedGPU:
         return self.ledger.peak_bytes
 
     @property
+    def reserved_bytes(self) -> int:
+        """Bytes the allocator holds from the device: its segments, in use or cached
+        (``torch.cuda.memory_reserved``); the exact model reserves what is allocated."""
+        if self._allocator is None:
+            return self.ledger.allocated_bytes
+        return self._allocator.reserved_bytes
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        """Highest :attr:`reserved_bytes` since creation or the last :meth:`reset_peak`
+        (``torch.cuda.max_memory_reserved``)."""
+        if self._allocator is None:
+            return self.ledger.peak_bytes
+        return self._allocator.peak_reserved_bytes
+
+    @property
+    def num_alloc_retries(self) -> int:
+        """How often the allocator released its cache and retried a segment that did not fit
+        (``num_alloc_retries``; always 0 in the exact model)."""
+        return 0 if self._allocator is None else self._allocator.num_alloc_retries
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """The size of every reserved segment, by address (an expandable segment: each mapped
+        range); empty in the exact model, which has none."""
+        if self._allocator is None:
+            return ()
+        return tuple(size for size, _ in self._allocator.segments())
+
+    @property
     def free_bytes(self) -> int:
-        """Capacity held neither by counted storages nor by other processes."""
+        """Capacity held neither by live storages nor by other processes.
+
+        The most that new allocations can still get: memory no segment holds plus the cached,
+        free blocks. A piece of work whose live bytes exceed it cannot fit. Under the caching
+        model one that needs less may still fail, because a request must fit in one cached
+        block or in a new segment: ``capacity_bytes - used_elsewhere - reserved_bytes`` is
+        what new segments can take. The same number as ``torch.cuda.mem_get_info``'s free
+        memory plus ``memory_reserved - memory_allocated`` on a GPU.
+        """
         return max(self.capacity_bytes - self.used_elsewhere - self.allocated_bytes, 0)
 
+    def memory_stats(self) -> dict[str, int]:
+        """The allocator's counters under ``torch.cuda.memory_stats()``'s key names.
+
+        The caching model keeps ``allocation``, ``segment``, ``active``, ``allocated_bytes``,
+        ``requested_bytes``, ``reserved_bytes`` and ``active_bytes`` (each ``.{all,small_pool,large_pool}.
+        {current,peak,allocated,freed}``), ``inactive_split[_bytes].*.current``,
+        ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc``, ``num_device_free`` and
+        ``max_split_size``; the exact model the ``all`` current and peak of allocated and
+        reserved bytes (equal), ``num_alloc_retries`` (0) and ``num_ooms``.
+        """
+        if self._allocator is not None:
+            return self._allocator.stats()
+        allocated, peak = self.ledger.allocated_bytes, self.ledger.peak_bytes
+        return {
+            "allocated_bytes.all.current": allocated,
+            "allocated_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": self.oom_count,
+            "reserved_bytes.all.current": allocated,
+            "reserved_bytes.all.peak": peak,
+        }
+
+    def empty_cache(self) -> None:
+        """Give every cached segment that is entirely free back to the device, as
+        ``torch.cuda.empty_cache()`` does (nothing is cached in the exact model)."""
+        if self._allocator is not None:
+            self._allocator.empty_cache()
+
     def reset_peak(self) -> None:
-        """Start a new peak measurement from the current live bytes."""
+        """Start new peak measurements (allocated and reserved) from the current values."""
         self.ledger.reset_peak()
 
     def adopt(self, *objects: Any) -> int:
@@ -108,7 +246,7 @@ class SimulatedGPU:
         capacity raises the same out-of-memory error as an operator would.
         """
         added = sum(self.ledger.add(storage) for storage in storages(objects))
-        if self.allocated_bytes + self.used_elsewhere > self.capacity_bytes:
+        if self._allocator is None and self.allocated_bytes + self.used_elsewhere > self.capacity_bytes:
             raise self._error(added)
         return added
 
@@ -122,16 +260,17 @@ class SimulatedGPU:
         allocated = self.allocated_bytes - added
         in_use = allocated + self.used_elsewhere
         free = max(self.capacity_bytes - in_use, 0)
-        return torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_bytes(added)}. "
-            f"GPU {self.device_index} has a total capacity of {format_bytes(self.capacity_bytes)} "
-            f"of which {format_bytes(free)} is free. Including non-PyTorch memory, this process "
-            f"has {format_bytes(allocated)} memory in use. Of the allocated memory "
-            f"{format_bytes(allocated)} is allocated by PyTorch, and 0 bytes is reserved by PyTorch "
-            "but unallocated. If reserved but unallocated memory is large try setting "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
-            "documentation for Memory Management  "
-            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+        return _out_of_memory(
+            added, self.device_index, self.capacity_bytes, free, allocated, allocated
+        )
+
+    def _refused(self, oom: AllocatorOutOfMemory) -> torch.OutOfMemoryError:
+        """The caching model's refusal as CUDA reports it: the segment it tried to reserve,
+        the device's free memory, and allocated and reserved bytes after the cache release."""
+        self.oom_count += 1
+        return _out_of_memory(
+            oom.alloc_size, self.device_index, self.capacity_bytes, oom.free, oom.allocated,
+            oom.reserved,
         )
 
     def __enter__(self) -> SimulatedGPU:
@@ -162,11 +301,183 @@ class SimulatedGPU:
         return SimulatedMemory(device, self) if device.type == "cpu" else None
 
     def __repr__(self) -> str:
+        reserved = ""
+        if self._allocator is not None:
+            reserved = (
+                f", reserved={format_bytes(self.reserved_bytes)}, "
+                f"peak_reserved={format_bytes(self.peak_reserved_bytes)}"
+            )
         return (
             f"SimulatedGPU(capacity={format_bytes(self.capacity_bytes)}, "
-            f"allocated={format_bytes(self.allocated_bytes)}, "
-            f"peak={format_bytes(self.peak_bytes)})"
+            f"allocator={self.allocator!r}, allocated={format_bytes(self.allocated_bytes)}, "
+            f"peak={format_bytes(self.peak_bytes)}{reserved})"
         )
+
+
+def _out_of_memory(
+    tried: int, device: int, capacity: int, free: int, allocated: int, reserved: int
+) -> torch.OutOfMemoryError:
+    """CUDA's out-of-memory error, worded as ``DeviceCachingAllocator::malloc`` words it (the
+    process's memory in use is what it reserved: the CUDA context is not modelled)."""
+    return torch.OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate {format_bytes(tried)}. "
+        f"GPU {device} has a total capacity of {format_bytes(capacity)} "
+        f"of which {format_bytes(free)} is free. Including non-PyTorch memory, this process "
+        f"has {format_bytes(reserved)} memory in use. Of the allocated memory "
+        f"{format_bytes(allocated)} is allocated by PyTorch, and "
+        f"{format_bytes(reserved - allocated)} is reserved by PyTorch but unallocated. If "
+        "reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+        "documentation for Memory Management  "
+        "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+
+
+class _AllocatorLedger(StorageLedger):
+    """A ledger whose storages are blocks of the caching-allocator model.
+
+    A new storage is one ``malloc`` of its size; its death frees the block. It is charged its
+    block's size. A storage that changed size in place is given a new block before the old one
+    is freed (``resize_`` on CUDA allocates, copies, then frees). When the model refuses,
+    ``add`` raises the simulator's ``torch.OutOfMemoryError`` and the storage is not counted.
+    """
+
+    def __init__(
+        self,
+        allocator: CachingAllocator,
+        refuse: Callable[[AllocatorOutOfMemory], torch.OutOfMemoryError],
+    ) -> None:
+        super().__init__(CUDA_BLOCK_BYTES)
+        self.allocator = allocator
+        self._refuse = refuse
+        self._blocks: dict[int, Block] = {}
+
+    def add(self, storage: torch.UntypedStorage) -> int:
+        key = _storage_key(storage)
+        nbytes = storage.nbytes()
+        previous = self._blocks.get(key)
+        old: int | None = None
+        if previous is not None:
+            if previous.requested == nbytes:
+                return 0  # counted already (a view, an in-place operator)
+            old = previous.size
+        elif key in self._live:  # an empty storage, counted already
+            if not nbytes:
+                return 0
+            old = 0
+        block = None
+        if nbytes:  # torch asks no allocator for an empty storage
+            refused = None
+            try:
+                block = self.allocator.malloc(nbytes)
+            except AllocatorOutOfMemory as error:
+                refused = error
+            if refused is not None:  # raised outside the except block: no context chain
+                oom = self._refuse(refused)
+                del refused  # its traceback holds this frame, and this frame the operator's
+                try:  # outputs (through the caller's): no local may keep that cycle alive
+                    raise oom
+                finally:
+                    del oom
+        size = 0 if block is None else block.size
+        if old is None:
+            weakref.finalize(storage, self._release, key)
+            old = 0
+        elif previous is not None:  # resized in place: both blocks existed for a moment
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes + size)
+            del self._blocks[key]
+            self.allocator.free(previous)
+        if block is not None:
+            self._blocks[key] = block
+        self._live[key] = size
+        self.allocated_bytes += size - old
+        if self.allocated_bytes > self.peak_bytes:
+            self.peak_bytes = self.allocated_bytes
+        return size - old
+
+    def _release(self, key: int) -> None:
+        block = self._blocks.pop(key, None)
+        if block is not None:
+            self.allocator.free(block)
+        super()._release(key)
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.allocator.reset_peak()
+
+
+#: ``PYTORCH_CUDA_ALLOC_CONF`` options that change how device memory is carved up but that
+#: the model leaves out (it warns rather than silently ignoring them).
+_NOT_MODELLED = ("garbage_collection_threshold", "roundup_power2_divisions", "backend")
+
+
+def allocator_config(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The caching allocator's options set in ``PYTORCH_CUDA_ALLOC_CONF`` (else
+    ``PYTORCH_ALLOC_CONF``), as the simulated GPU reads them.
+
+    >>> allocator_config({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64"})
+    {'expandable_segments': True, 'max_split_size': 67108864}
+
+    Parameters
+    ----------
+    environ:
+        The environment (``os.environ``).
+
+    Recognised: ``expandable_segments:True|False``, ``max_split_size_mb:N`` and
+    ``max_non_split_rounding_mb:N`` (N >= 20, as ``c10/core/AllocatorConfig.cpp`` requires).
+    Options that change allocation but are not modelled warn; the rest are ignored.
+    """
+    name = "PYTORCH_CUDA_ALLOC_CONF"
+    text = environ.get(name)
+    if text is None:
+        name, text = "PYTORCH_ALLOC_CONF", environ.get("PYTORCH_ALLOC_CONF")
+    options: dict[str, Any] = {}
+    for item in _split_options(text or ""):
+        key, _, value = item.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "expandable_segments":
+            if value not in ("True", "False"):
+                raise ValueError(
+                    f"{name}: expandable_segments must be True or False, got {value!r}"
+                )
+            options["expandable_segments"] = value == "True"
+        elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            if not value.isdigit():
+                raise ValueError(f"{name}: {key} must be a whole number of MiB, got {value!r}")
+            target = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding"
+            options[target] = _split_size(int(value), f"{name}: {key}")
+        elif key in _NOT_MODELLED and not (key == "backend" and value == "native"):
+            warnings.warn(
+                f"{name} sets {key}:{value}, which the simulated caching allocator does not "
+                "model; it is ignored",
+                stacklevel=3,
+            )
+    return options
+
+
+def _split_options(text: str) -> list[str]:
+    """``key:value`` items separated by commas (commas inside ``[...]`` lists included)."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item for item in items if item.strip()]
+
+
+def _split_size(megabytes: int, name: str) -> int:
+    """``max_split_size_mb``-style sizes in bytes; torch refuses fewer than ``kLargeBuffer``
+    (20 MiB) there (``parseMaxSplitSize`` in ``c10/core/AllocatorConfig.cpp``)."""
+    if isinstance(megabytes, bool) or not isinstance(megabytes, int):
+        raise TypeError(f"{name} must be a whole number of MiB, got {megabytes!r}")
+    if megabytes < LARGE_BUFFER >> 20:
+        raise ValueError(f"{name}={megabytes} is too small: torch requires at least 20 (MiB)")
+    return megabytes << 20
 
 
 class SimulatedMemory(_backends.DeviceMemory):
@@ -193,6 +504,18 @@ class SimulatedMemory(_backends.DeviceMemory):
 
     def free_bytes(self) -> int:
         return self.gpu.free_bytes
+
+    def reserved_bytes(self) -> int:
+        return self.gpu.reserved_bytes
+
+    def peak_reserved_bytes(self) -> int:
+        return self.gpu.peak_reserved_bytes
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.gpu.memory_stats()
+
+    def empty_cache(self) -> None:
+        self.gpu.empty_cache()
 
     @property
     def name(self) -> str:

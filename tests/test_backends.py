@@ -1,0 +1,46 @@
+"""The memory backends' reserved-memory surface, and its safety on a CPU-only build of torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autobatch
+from autobatch._backends import CpuMemory, CudaMemory, MpsMemory, XpuMemory, memory_for
+from autobatch.testing import SimulatedGPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the calls on a CPU-only build")
+def test_cuda_statistics_do_not_raise_on_a_cpu_only_build() -> None:
+    memory = CudaMemory(torch.device("cuda", 0))  # constructed directly: no device exists
+    assert memory.reserved_bytes() == 0
+    assert memory.peak_reserved_bytes() == 0
+    assert memory.memory_stats() == {}
+
+
+@pytest.mark.skipif(
+    bool(getattr(torch, "xpu", None)) and torch.xpu.is_available(),
+    reason="checks the calls on a build without an XPU",
+)
+def test_xpu_statistics_are_absent_or_empty_without_a_device() -> None:
+    memory = XpuMemory(torch.device("xpu", 0))
+    assert memory.reserved_bytes() in (None, 0)
+    assert memory.peak_reserved_bytes() in (None, 0)
+    assert memory.memory_stats() in (None, {})
+
+
+def test_backends_without_a_caching_allocator_report_none() -> None:
+    for memory in (CpuMemory(torch.device("cpu")), MpsMemory(torch.device("mps"))):
+        assert memory.reserved_bytes() is None
+        assert memory.peak_reserved_bytes() is None
+        assert memory.memory_stats() is None
+
+
+def test_free_memory_without_a_device_empties_a_simulated_gpus_cache() -> None:
+    with SimulatedGPU("64MiB", allocator="caching") as gpu:
+        t = torch.empty(3 * 2**20, dtype=torch.uint8)
+        del t
+        assert gpu.reserved_bytes == 20 * 2**20  # cached
+        autobatch.free_memory()
+        assert gpu.reserved_bytes == 0
+        assert memory_for("cpu").memory_stats()["num_device_free"] == 1  # type: ignore[index]
