@@ -22,7 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autobatch import AutobatchError, BatchSizeError, retry_on_oom
 from autobatch._accounting import call_keeping_versions
-from autobatch._recovery import _KeyState, _Sizes, oom_guard
+from autobatch._recovery import oom_guard
+from autobatch._recovery._sizes import _KeyState, _Sizes
 from autobatch.testing.models import conv_net
 
 

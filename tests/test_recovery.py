@@ -25,10 +25,10 @@ from autobatch._recovery import (
     RecoveryStats,
     RetryingStep,
     SizeChange,
-    _Sizes,
     oom_guard,
     retry_on_oom,
 )
+from autobatch._recovery._sizes import _Sizes
 from autobatch.testing import SimulatedGPU, inject_oom
 from autobatch.testing.models import TinyTransformer, conv_net
 

@@ -1,0 +1,653 @@
+"""The recovery engine: runs a step on pieces of its batch, recovering from OOM."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol, cast
+
+import torch
+from torch import nn
+
+from autobatch import _distributed
+from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
+from autobatch._batch import (
+    Batch,
+    ambiguous_paths,
+    batch_size,
+    describe,
+    elements_per_sample,
+    shape_key,
+    slice_batch,
+    tensors,
+)
+from autobatch._errors import AutobatchError, BatchSizeError
+from autobatch._log import get_logger, user_stacklevel
+from autobatch._oom import is_oom_error, oom_kind
+from autobatch._recovery._accumulate import _Accumulation, _reset_scaler
+from autobatch._recovery._attempt import (
+    _Attempt,
+    _Failure,
+    _Known,
+    _optimizer_in_traceback,
+    _see_optimizer_steps,
+    _strip_tracebacks,
+)
+from autobatch._recovery._options import Policy, RecoveryOptions
+from autobatch._recovery._ranks import _Coordination, _peer_error, _PeerFailed
+from autobatch._recovery._records import SizeChange, _Tally
+from autobatch._recovery._results import _combine
+from autobatch._recovery._sizes import _Sizes, _TooSmall
+from autobatch._trial import _PhasePeaks
+from autobatch._units import format_bytes
+
+logger = get_logger("recovery")
+
+
+class _Observer(Protocol):
+    """Who hears of an engine's events (the guard around the loop)."""
+
+    def noticed(self, engine: _Engine, batch: object) -> None: ...
+
+    def oom(self, lost: int) -> None: ...
+
+    def size_changed(self, engine: _Engine, change: SizeChange) -> None: ...
+
+
+_OBSERVER: contextvars.ContextVar[_Observer | None] = contextvars.ContextVar(
+    "autobatch_recovery_observer", default=None
+)
+
+
+def _batch_parameter(
+    fn: Callable[..., Any], batch_arg: str | None
+) -> tuple[int | None, str | None]:
+    """Where the batch is in a call of ``fn``: (positional index, keyword name)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if batch_arg is not None:
+        for index, param in enumerate(params):
+            if param.name == batch_arg and param.kind in (
+                *positional,
+                inspect.Parameter.KEYWORD_ONLY,
+            ):
+                return (index if param.kind in positional else None), param.name
+        names = ", ".join(p.name for p in params) or "none"
+        raise ValueError(
+            f"batch_arg={batch_arg!r} is not a parameter of {getattr(fn, '__qualname__', fn)!r} "
+            f"(parameters: {names}); pass the name of the argument that holds the batch"
+        )
+    for index, param in enumerate(params):
+        if param.kind in positional and param.name not in ("self", "cls"):
+            return index, (None if param.kind == inspect.Parameter.POSITIONAL_ONLY else param.name)
+        if param.kind == inspect.Parameter.VAR_POSITIONAL:
+            return index, None
+    if not params:
+        return 0, None
+    raise ValueError(
+        f"{getattr(fn, '__qualname__', fn)!r} takes no positional argument to split; pass "
+        "batch_arg= with the name of the argument that holds the batch"
+    )
+
+
+def _modules_of(fn: Callable[..., Any]) -> dict[str, nn.Module]:
+    """Modules the step function refers to by name (globals and closure), by that name."""
+    try:
+        names = inspect.getclosurevars(inspect.unwrap(fn))
+    except (TypeError, ValueError):
+        return {}
+    values = {**names.globals, **names.nonlocals}
+    return {name: v for name, v in values.items() if isinstance(v, nn.Module)}
+
+
+def _count_items(value: object, name: str) -> float:
+    """The number ``items=`` returned for a batch, checked."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name}: items= must return a number of items (an int, a float or a one-element "
+            f"tensor), got {value!r} ({type(value).__name__})"
+        )
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}: items= returned {value!r}; a count must be finite and >= 0")
+    return float(value)
+
+
+#: Split batches during which the engine watches which modules run (a global forward hook).
+LEARN_SPLITS = 2
+
+
+class _Engine:
+    """Runs one decorated step function; holds its learned sizes and statistics."""
+
+    def __init__(self, fn: Callable[..., Any], options: RecoveryOptions) -> None:
+        self.fn = fn
+        self.options = options
+        self.name = getattr(fn, "__qualname__", repr(fn))
+        self.policy: Policy = cast(Policy, options.policy)
+        self.optimizers = options.optimizers
+        self.index, self.keyword = _batch_parameter(fn, options.batch_arg)
+        self.sizes = _Sizes(
+            min_batch=options.min_batch, grow_after=options.grow_after, headroom=options.headroom
+        )
+        self.tally = _Tally()
+        self.calls = 0
+        self.warned: set[str] = set()
+        self.coordination: _Coordination | None = None
+        self.named = _modules_of(fn)
+        if options.model is not None:
+            self.named = {"model": options.model, **self.named}
+        self.known = _Known(self.named.values(), self.optimizers)
+        self.optimized_ids = {  # the parameters the step's own optimizers update
+            id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]
+        }
+        self.own_ids = self.optimized_ids | {  # and model='s: zeroed before a split batch
+            id(p) for p in (options.model.parameters() if options.model is not None else ())
+        }
+        self.learn_splits = LEARN_SPLITS
+        self.skips_steps = False  # a whole call ended without an optimizer step
+        _see_optimizer_steps()
+
+    def coordinated(self) -> _Coordination | None:
+        """The agreement with the other ranks, under a process group (unless ``sync_ranks=False``)."""
+        if not (self.options.sync_ranks and _distributed.active()):
+            return None
+        if self.coordination is None:
+            self.coordination = _Coordination(self)
+        return self.coordination
+
+    # Bookkeeping ------------------------------------------------------------------------------
+
+    def _size_changed(
+        self, old: int | None, new: int, reason: str, observer: _Observer | None
+    ) -> None:
+        change = SizeChange(self.calls, self.name, old, new, reason)
+        self.tally.change(change)
+        if observer is not None:
+            observer.size_changed(self, change)
+        logger.info(
+            "%s: micro-batch size %s -> %d (%s) at call %d",
+            self.name,
+            "whole batch" if old is None else old,
+            new,
+            reason,
+            self.calls,
+        )
+
+    def _locate(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Batch:
+        if self.keyword is not None and self.keyword in kwargs:
+            return kwargs[self.keyword]
+        if self.index is not None and self.index < len(args):
+            return args[self.index]
+        raise TypeError(
+            f"{self.name}() was called without its batch (argument "
+            f"{self.keyword or self.index!r}); autobatch splits that argument on OOM"
+        )
+
+    def _with_batch(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], piece: Batch
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.keyword is not None and self.keyword in kwargs:
+            return args, {**kwargs, self.keyword: piece}
+        assert self.index is not None  # _locate found it positionally
+        return (*args[: self.index], piece, *args[self.index + 1 :]), kwargs
+
+    def _device(self, batch: Batch) -> DeviceLike:
+        if self.options.device is not None:
+            return self.options.device
+        for t in tensors(batch):
+            return t.device
+        for p in self.known.params:
+            return p.device
+        return None
+
+    def _names(self) -> dict[int, str]:
+        """Readable names of the parameters the step is known to touch, for messages."""
+        names: dict[int, str] = {}
+        for prefix, module in self.named.items():
+            for name, p in module.named_parameters():
+                names.setdefault(id(p), f"{prefix}.{name}")
+        for module in self.known.modules:
+            for name, p in module.named_parameters(recurse=False):
+                names.setdefault(id(p), f"{type(module).__name__}.{name}")
+        return names
+
+    def _describe(self, params: list[torch.Tensor]) -> str:
+        names = self._names()
+        shown = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in params[:4]]
+        more = "" if len(params) <= 4 else f" and {len(params) - 4} more"
+        return ", ".join(shown) + more
+
+    # Was anything applied that a retry would apply again? -------------------------------------
+
+    def succeeded(self, attempt: _Attempt) -> None:
+        """A whole call ran on the fast path: count it, learn from it."""
+        self.calls += 1
+        if attempt.learn:
+            attempt.learned()
+        if not attempt.ours_stepped:
+            self._note_steps(attempt)
+
+    def _note_steps(self, attempt: _Attempt) -> None:
+        """Note a whole call that took no optimizer step (it accumulates across calls)."""
+        if (
+            not attempt.ours_stepped
+            and self.policy == "accumulate"
+            and self.options.scaler is None  # a scaler skips steps on overflow
+        ):
+            self.skips_steps = True
+
+    # Running ----------------------------------------------------------------------------------
+
+    def _capture(self, exc: BaseException) -> _Failure | None:
+        """Called inside ``except``: the failure to recover from, or ``None`` to re-raise."""
+        if isinstance(exc, _PeerFailed):
+            return _Failure(exc=exc, kind=str(exc), inside=None)
+        if isinstance(exc, AutobatchError) or not is_oom_error(exc):
+            return None
+        failure = _Failure(
+            exc=exc, kind=oom_kind(exc) or "oom", inside=_optimizer_in_traceback(exc)
+        )
+        _strip_tracebacks(exc)
+        return failure
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call of the step: whole on the fast path until memory runs short."""
+        if self.sizes.states or self.coordinated() is not None:
+            # memory ran short before (pieces, measured), or every step is agreed by all ranks
+            return self.call(args, kwargs)
+        # The fast path: a try, the parameters' version counters, a copy of the buffers that
+        # change (if any), and the modules watched on the first call.
+        attempt = _Attempt(self, learn=self.calls == 0)
+        try:
+            with attempt:
+                result = self.fn(*args, **kwargs)
+        except BaseException as exc:
+            failure = self._capture(exc)
+            if failure is None:
+                raise
+        else:
+            self.succeeded(attempt)
+            return result
+        return self.call(args, kwargs, failure, attempt)
+
+    def call(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        failure: _Failure | None = None,
+        attempt: _Attempt | None = None,
+    ) -> Any:
+        """Run a call on the slow path (``failure``: the whole batch already ran out of memory,
+        in ``attempt``)."""
+        batch = self._locate(args, kwargs)
+        observer = _OBSERVER.get()
+        if observer is not None:
+            observer.noticed(self, batch)
+        return self._run(args, kwargs, batch, failure, attempt, observer)
+
+    def _finished(self, samples: int) -> None:
+        self.calls += 1
+        self.tally.samples += samples
+
+    def _unsplittable(self, batch: Batch, failure: _Failure, reason: str) -> AutobatchError:
+        return AutobatchError(
+            f"{self.name} ran out of memory ({failure.kind}) on a batch it cannot split: {reason}. "
+            f"The batch was {describe(batch)}; batches split along dimension 0 of their tensors "
+            "and of per-sample lists (lists of str/int as long as the batch), and copy other "
+            "values into every piece"
+        )
+
+    def _whole(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, reason: str,
+        failure: _Failure | None,
+    ) -> Any:
+        """A batch that cannot be split (nothing to split by, or no rows): run it whole, once."""
+        if failure is None:
+            attempt = _Attempt(self)
+            try:
+                with attempt:
+                    result = self.fn(*args, **kwargs)
+            except BaseException as exc:
+                failure = self._capture(exc)
+                if failure is None:
+                    raise
+            else:
+                self._finished(0)
+                attempt.learned()
+                return result
+        self.tally.ooms += 1
+        raise self._unsplittable(batch, failure, reason) from failure.exc
+
+    def _piece(
+        self, key: Hashable, eps: int, remaining: int, memory: DeviceMemory,
+        coord: _Coordination | None,
+    ) -> int:
+        """The size of the next piece, agreed with the other ranks."""
+        try:
+            n = self.sizes.piece(key, eps, remaining, _room(memory))
+        except _TooSmall as small:
+            raise BatchSizeError(
+                f"{self.name}: {remaining} rows cannot be cut into micro-batches of at least "
+                f"min_batch={self.options.min_batch} rows that fit on {memory.name} (a piece of "
+                f"{small.args[0]} rows ran out of memory already); lower min_batch, or give "
+                "batches whose size is a multiple of a size that fits",
+                batch_size=int(small.args[0]),
+                capacity_bytes=memory.capacity_bytes(),
+            ) from None
+        if coord is not None and self.sizes.pressure:
+            n = coord.piece(n, remaining)
+        return n
+
+    def _weight(self, batch: Batch, piece: Batch, n: int, total: int, items: float | None) -> float:
+        """A piece's share of the batch's loss: of its rows, or of its items (``items=``)."""
+        if self.options.reduction == "sum":
+            return 1.0
+        if items is not None and items > 0:
+            assert self.options.items is not None
+            return _count_items(self.options.items(piece), self.name) / items
+        return n / total
+
+    def _run(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        batch: Batch,
+        failure: _Failure | None,
+        attempt: _Attempt | None,
+        observer: _Observer | None,
+    ) -> Any:
+        """Run ``batch`` in pieces, recovering from OOM; ``failure`` is a first whole-batch OOM."""
+        try:
+            total = batch_size(batch)
+        except (TypeError, ValueError) as error:
+            return self._whole(args, kwargs, batch, str(error), failure)
+        if total == 0:
+            return self._whole(args, kwargs, batch, "it has no rows", failure)
+        key = shape_key(batch)
+        eps = max(elements_per_sample(batch), 1)
+        memory = memory_for(self._device(batch))
+        statistics = memory.has_statistics
+        coord = self.coordinated()
+        pieces: list[tuple[int, Any, float]] = []
+        done = 0
+        clean = True
+        split = False
+        items: float | None = None
+        session: _Accumulation | None = None
+        try:
+            if failure is not None:  # the whole batch failed on the fast path
+                assert attempt is not None
+                clean = False
+                session = self._recover(
+                    failure, attempt, key, eps, total, total, memory, session, observer
+                )
+            else:
+                if self.policy == "accumulate":
+                    # The step zeroes them first thing; doing it here keeps the pieces' measured
+                    # costs alike (none of them frees the last step's gradients).
+                    for p in self.known.params:
+                        if id(p) in self.own_ids:
+                            p.grad = None
+                grown = self.sizes.maybe_grow(key, eps, total, _room(memory))
+                if grown is not None:
+                    self._size_changed(*grown, "grow", observer)
+            while done < total:
+                n = self._piece(key, eps, total - done, memory, coord)
+                if n < total and not split:
+                    split = True
+                    self._warn_tuples(batch)
+                    if self.options.items is not None and self.options.reduction == "mean":
+                        items = _count_items(self.options.items(batch), self.name)
+                if n < total and session is None and self.policy == "accumulate":
+                    session = self._accumulation()
+                last = done + n == total
+                piece = batch if n == total else slice_batch(batch, done, done + n)
+                weight = self._weight(batch, piece, n, total, items)
+                if session is not None:
+                    session.begin_piece(weight, last)
+                piece_args, piece_kwargs = self._with_batch(args, kwargs, piece)
+                del piece
+                attempt = _Attempt(
+                    self, split=session is not None,
+                    learn=self.calls == 0 or (n < total and self.learn_splits > 0),
+                    session=session,
+                )
+                phases = _PhasePeaks(memory)  # peaks outside and inside optimizer.step
+                baseline = 0
+                if statistics:
+                    memory.reset_peak()
+                    baseline = memory.allocated_bytes()
+                failure = None
+                try:
+                    with phases, attempt, (
+                        contextlib.nullcontext() if coord is None
+                        else coord.attempt(last=last or self.policy == "shrink", session=session)
+                    ):
+                        result = self.fn(*piece_args, **piece_kwargs)
+                except BaseException as exc:
+                    failure = self._capture(exc)
+                    if failure is None:
+                        if coord is not None:
+                            coord.finish(_distributed.FAILED)
+                        raise
+                del piece_args, piece_kwargs
+                attempt.learned()
+                if n < total:
+                    self._warn_batchnorm(attempt)
+                if coord is not None:
+                    codes = coord.finish(_distributed.OK if failure is None else _distributed.OOM)
+                    if max(codes) == _distributed.FAILED:
+                        raise _peer_error(codes, "in this step")
+                    if failure is None and max(codes) != _distributed.OK:
+                        failure = self._capture(_PeerFailed(codes))
+                if failure is None:
+                    if session is not None and not last:
+                        changed = attempt.changed()
+                        if changed:
+                            raise self._changed_in_piece(changed, done, n, total)
+                    if statistics:  # the step's own memory does not grow with the piece
+                        self.sizes.record(key, eps, n, phases.outside - baseline)
+                    pieces.append((n, result, weight))
+                    done += n
+                    refined = self.sizes.after_piece(key, eps, n, _room(memory))
+                    if refined is not None:
+                        self._size_changed(*refined, "refine", observer)
+                    continue
+                clean = False
+                lost = n
+                dirty = session is not None and session.dirty
+                if coord is not None:
+                    dirty = coord.any(dirty)  # one rank's sum is spoilt: every rank starts over
+                if dirty:
+                    lost += done  # this piece's gradients reached the sum: the batch starts over
+                    pieces.clear()
+                    done = 0
+                session = self._recover(
+                    failure, attempt, key, eps, n, lost, memory, session, observer, restart=dirty
+                )
+        finally:
+            if session is not None:
+                session.close()
+        if split:
+            self.learn_splits = max(self.learn_splits - 1, 0)
+        elif attempt is not None:
+            self._note_steps(attempt)
+        self.sizes.finish(key, clean)
+        self._finished(total)
+        self.tally.micro_batch_size = max(n for n, _, _ in pieces) if len(pieces) > 1 else None
+        return _combine(pieces)
+
+    def _changed_in_piece(
+        self, changed: list[torch.Tensor], done: int, n: int, total: int
+    ) -> AutobatchError:
+        return AutobatchError(
+            f"{self.name} changed {self._describe(changed)} in place while running rows "
+            f"{done}..{done + n} of a batch of {total} in micro-batches, outside the optimizer "
+            "step autobatch defers to the last micro-batch (an EMA update, a second optimizer's "
+            "own method, a manual edit): it would run once per micro-batch instead of once per "
+            "batch, so the batch is not split (that change has happened once). Move that update "
+            "out of the decorated step (after it returns), or use policy='shrink'"
+        )
+
+    def _recover(
+        self,
+        failure: _Failure,
+        attempt: _Attempt,
+        key: Hashable,
+        eps: int,
+        failed: int,
+        lost: int,
+        memory: DeviceMemory,
+        session: _Accumulation | None,
+        observer: _Observer | None,
+        *,
+        restart: bool = False,
+    ) -> _Accumulation | None:
+        """After an OOM at ``failed`` rows: check what the attempt changed, undo its buffer
+        updates, clean up, free memory, and pick a smaller size. ``lost`` samples are redone;
+        ``restart``: the batch starts over. Returns the accumulation to continue with. Under a
+        process group every rank takes the same size."""
+        self.tally.ooms += 1
+        self.tally.samples_recomputed += lost
+        if observer is not None:
+            observer.oom(lost)
+        coord = self.coordinated()
+        problem: AutobatchError | None = None
+        try:
+            attempt.check(failure, self.optimized_ids, self._describe)
+            if self.skips_steps and self.policy == "accumulate":
+                raise AutobatchError(
+                    f"{self.name} ran out of memory ({failure.kind}), and earlier calls returned "
+                    "without an optimizer step: it accumulates gradients across calls itself, "
+                    "and splitting a batch would drop what it accumulated so far. Accumulate "
+                    "through autobatch instead (one optimizer step per call; it splits each "
+                    "batch into micro-batches as memory needs), or use policy='shrink'"
+                ) from failure.exc
+        except AutobatchError as error:
+            if coord is None:
+                raise
+            problem = error  # raised once the other ranks know
+        if problem is None:
+            attempt.rollback()
+        if self.policy == "accumulate" and problem is None:
+            if session is None:  # a whole-batch attempt: its gradients may be partly summed
+                session = self._accumulation()
+                session.restart()
+            elif restart or session.dirty:
+                session.restart()
+            else:
+                session.discard()
+        if self.options.scaler is not None:
+            for optimizer in self.optimizers:
+                _reset_scaler(self.options.scaler, optimizer)
+        free_memory(memory.device)
+        try:
+            too_small = problem is not None
+            if problem is None:
+                try:
+                    old, new, reason = self.sizes.after_oom(key, eps, failed, _room(memory))
+                except _TooSmall:
+                    too_small = True
+            if coord is not None:
+                # One decision for every rank: -1 someone cannot go on, 0 too small, else the
+                # smallest size any rank chose.
+                agreed = coord.piece(-1 if problem else 0 if too_small else new, failed)
+                if agreed < 0:
+                    raise problem or AutobatchError(
+                        f"{self.name}: another rank cannot recover from this step's failure "
+                        f"({failure.kind}); see that rank's error. Every rank stops here"
+                    ) from failure.exc
+                too_small = agreed == 0
+                if not too_small and agreed != new:
+                    self.sizes.states[key].limit = new = agreed
+            if too_small:
+                raise _TooSmall
+        except _TooSmall:
+            needed: int | None = None
+            found = self.sizes.model(key)
+            if found is not None:
+                needed = memory.allocated_bytes() + int(found[0].predict(failed * eps))
+            raise BatchSizeError(
+                f"{self.name} ran out of memory ({failure.kind}) at a micro-batch of {failed} "
+                f"(min_batch={self.options.min_batch}) on {memory.name}"
+                + ("" if needed is None else f": it needs about {format_bytes(needed)}")
+                + f" of {format_bytes(memory.capacity_bytes())}. Lower min_batch if allowed, "
+                "free memory held elsewhere, or use a smaller model, a lower precision or "
+                "activation checkpointing",
+                batch_size=failed,
+                needed_bytes=needed,
+                capacity_bytes=memory.capacity_bytes(),
+            ) from failure.exc
+        self._size_changed(old, new, reason, observer)
+        return session
+
+    def _accumulation(self) -> _Accumulation:
+        return _Accumulation(self.known.params, self.optimizers, self.options.scaler)
+
+    def _warn_batchnorm(self, attempt: _Attempt) -> None:
+        if "batchnorm" in self.warned:
+            return
+        modules = attempt.seen if attempt.learn else self.known.modules
+        norms = list({
+            id(m): m for top in modules for m in top.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+        }.values())
+        if norms:
+            self.warned.add("batchnorm")
+            warnings.warn(
+                f"{self.name} is running in micro-batches, and {len(norms)} BatchNorm layer(s) "
+                f"in training mode ({type(norms[0]).__name__}, ...) run in it: their statistics "
+                "are computed per micro-batch, so results differ slightly from whole batches "
+                "(GroupNorm or LayerNorm do not depend on the batch)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def _warn_tuples(self, batch: Batch) -> None:
+        if "tuples" in self.warned:
+            return
+        paths = ambiguous_paths(batch)
+        if paths:
+            self.warned.add("tuples")
+            warnings.warn(
+                f"{self.name} splits {', '.join(paths)} (a tuple as long as the batch) as one "
+                "value per sample. If it is one value for the whole batch (an image size, say), "
+                "wrap it in autobatch.per_batch(...) where the batch is made; use a list for "
+                "per-sample values to silence this",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    # For the guard (a front-end asks) ---------------------------------------------------------
+
+    def guard_piece(self, batch: Batch, done: int, total: int) -> int:
+        """The size of the next piece the guard should yield (``"shrink"`` only)."""
+        if not self.sizes.pressure:
+            return total - done
+        key = shape_key(batch)
+        eps = max(elements_per_sample(batch), 1)
+        memory = memory_for(self._device(batch))
+        if done == 0:
+            grown = self.sizes.maybe_grow(key, eps, total, _room(memory))
+            if grown is not None:
+                self._size_changed(*grown, "grow", _OBSERVER.get())
+        n = self._piece(key, eps, total - done, memory, self.coordinated())
+        if n < total:
+            self._warn_tuples(batch)
+        return n
+
+
+def _room(memory: DeviceMemory) -> int | None:
+    """Bytes a piece may add: what is free on the device now (``None`` without statistics)."""
+    if not memory.has_statistics:
+        return None
+    return memory.free_bytes()

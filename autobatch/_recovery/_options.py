@@ -1,0 +1,110 @@
+"""The options of :func:`~autobatch.retry_on_oom`, validated in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from autobatch._backends import DeviceLike
+
+Policy = Literal["accumulate", "shrink"]
+Reduction = Literal["mean", "sum"]
+
+
+OptimizerOption = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+ItemsFn = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """Every option of :func:`retry_on_oom`, validated; see there for their meaning.
+
+    >>> RecoveryOptions(min_batch=4).policy
+    'shrink'
+    """
+
+    optimizer: OptimizerOption = None
+    policy: Policy | None = None
+    reduction: Reduction = "mean"
+    batch_arg: str | None = None
+    min_batch: int = 1
+    grow_after: int | None = None
+    scaler: Any = None
+    model: nn.Module | None = None
+    device: DeviceLike = None
+    headroom: float = 0.1
+    sync_ranks: bool = True
+    items: ItemsFn | None = None
+
+    def __post_init__(self) -> None:
+        optimizers = self.optimizers
+        if self.policy is None:
+            object.__setattr__(self, "policy", "accumulate" if optimizers else "shrink")
+        if self.policy not in ("accumulate", "shrink"):
+            raise ValueError(f"policy must be 'accumulate' or 'shrink', got {self.policy!r}")
+        if self.policy == "accumulate" and not optimizers:
+            raise ValueError(
+                "policy='accumulate' needs the optimizer, so that the pieces of a batch make one "
+                "step: pass retry_on_oom(optimizer=opt), or use policy='shrink'"
+            )
+        if self.reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {self.reduction!r}")
+        if self.items is not None and not callable(self.items):
+            raise TypeError(
+                f"items must be a function of a batch returning how many items its loss averages "
+                f"over, e.g. items=lambda b: (b['labels'] != -100).sum(); got {self.items!r}"
+            )
+        if self.items is not None and self.reduction == "sum":
+            raise ValueError(
+                "items= weights pieces of a loss averaged over items; with reduction='sum' the "
+                "pieces are added as they are: pass one of the two"
+            )
+        if self.batch_arg is not None and not isinstance(self.batch_arg, str):
+            raise TypeError(f"batch_arg must be a parameter name (str), got {self.batch_arg!r}")
+        _check_count("min_batch", self.min_batch)
+        if self.grow_after is not None:
+            _check_count("grow_after", self.grow_after)
+        if self.scaler is not None and not all(
+            callable(getattr(self.scaler, name, None))
+            for name in ("scale", "step", "update", "unscale_")
+        ):
+            raise TypeError(
+                f"scaler must be a torch.amp.GradScaler, got {type(self.scaler).__name__}"
+            )
+        if self.model is not None and not isinstance(self.model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if not (
+            isinstance(self.headroom, (int, float))
+            and not isinstance(self.headroom, bool)
+            and 0 <= self.headroom < 1
+        ):
+            raise ValueError(f"headroom must be a fraction in [0, 1), got {self.headroom!r}")
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers the step calls, in the order given (empty without one)."""
+        given = self.optimizer
+        if given is None:
+            return ()
+        if isinstance(given, torch.optim.Optimizer):
+            return (given,)
+        if isinstance(given, (list, tuple)) and given:
+            found = tuple(given)
+            bad = [o for o in found if not isinstance(o, torch.optim.Optimizer)]
+            if not bad and len({id(o) for o in found}) == len(found):
+                return found
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer or a non-empty list of distinct ones "
+            f"(every optimizer the step calls), got {given!r}"
+        )
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")

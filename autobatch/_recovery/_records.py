@@ -1,0 +1,100 @@
+"""The records of what recovery did: size changes and the statistics users read."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SizeChange:
+    """One change of a step's micro-batch size.
+
+    >>> SizeChange(step=3, function="train_step", old=None, new=8, reason="oom")
+    SizeChange(step=3, function='train_step', old=None, new=8, reason='oom')
+
+    Args:
+        step: the index (from 0) of the call, or of the guard's batch, when it happened.
+        function: the decorated step's qualified name.
+        old: the size before; ``None`` when whole batches ran.
+        new: the size after.
+        reason: ``"oom"`` (shrunk after an OOM), ``"refine"`` (raised to what the memory model
+            allows after a measuring piece), ``"grow"`` (a larger size tried after clean steps) or
+            ``"grow failed"`` (back to the last good size).
+    """
+
+    step: int
+    function: str
+    old: int | None
+    new: int
+    reason: str
+
+
+#: How many of the latest size changes the statistics keep (the counters count all of them).
+HISTORY = 64
+
+
+@dataclass(frozen=True)
+class RecoveryStats:
+    """What happened so far: OOMs, size changes, the current micro-batch size.
+
+    >>> RecoveryStats().ooms
+    0
+
+    Args:
+        ooms: out-of-memory errors caught (each one retried at a smaller size, or reported);
+            under a process group, also attempts stopped because another rank ran out.
+        shrinks: size decreases (after an OOM or a failed grow).
+        grows: attempts to use a larger size (``grow_after``).
+        failed_grows: grow attempts that ran out of memory and went back.
+        batches: batches completed (calls of the step, or batches the guard handed out).
+        samples: samples in those batches (for a step alone: in the calls since its first OOM).
+        samples_recomputed: samples whose work was lost and redone (failed attempts, discarded
+            pieces).
+        micro_batch_size: the largest piece of the latest batch; ``None`` when it ran whole.
+        changes: size changes of every reason, all of them counted.
+        history: the latest size changes (at most :data:`HISTORY`), oldest first.
+    """
+
+    ooms: int = 0
+    shrinks: int = 0
+    grows: int = 0
+    failed_grows: int = 0
+    batches: int = 0
+    samples: int = 0
+    samples_recomputed: int = 0
+    micro_batch_size: int | None = None
+    changes: int = 0
+    history: tuple[SizeChange, ...] = ()
+
+
+@dataclass
+class _Tally:
+    """The mutable counters behind :class:`RecoveryStats` (a snapshot is made when read)."""
+
+    ooms: int = 0
+    shrinks: int = 0
+    grows: int = 0
+    failed_grows: int = 0
+    batches: int = 0
+    samples: int = 0
+    samples_recomputed: int = 0
+    micro_batch_size: int | None = None
+    changes: int = 0
+    history: collections.deque[SizeChange] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=HISTORY)
+    )
+
+    def change(self, change: SizeChange) -> None:
+        self.history.append(change)
+        self.changes += 1
+        self.shrinks += change.reason in ("oom", "grow failed")
+        self.grows += change.reason == "grow"
+        self.failed_grows += change.reason == "grow failed"
+
+    def snapshot(self, **override: Any) -> RecoveryStats:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["history"] = tuple(self.history)
+        return RecoveryStats(**{**fields, **override})
