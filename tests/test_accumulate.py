@@ -912,3 +912,91 @@ class _ProxyLoss(nn.Module):
     def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.normalize(out, dim=1) @ self.proxies.T
         return nn.functional.cross_entropy(logits / self.log_temperature.exp(), target)
+
+
+# --------------------------------------------------------------------------------------------
+# A function that only computes gradients: the caller steps, and may accumulate over calls
+
+
+def _grad_only_run(limit: int | None, accumulate: int) -> tuple[nn.Module, Any, Device]:
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    device = Device(10**9 if limit is None else limit)
+
+    def forward_backward(b: Any) -> torch.Tensor:
+        device.check(len(b[0]))
+        loss = nn.functional.cross_entropy(model(b[0]), b[1]) / accumulate
+        loss.backward()
+        return loss.detach()
+
+    fn = forward_backward if limit is None else retry_on_oom(policy="accumulate", model=model)(
+        forward_backward
+    )
+    return model, fn, device
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_gradients_only_add_up_across_calls_like_the_unsplit_run(accumulate: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+               for n in (12, 20, 12, 16, 20, 12)]
+
+    def train(model: nn.Module, fn: Any) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+        for i, b in enumerate(batches):
+            fn(b)  # the caller accumulates over `accumulate` calls, then steps
+            if (i + 1) % accumulate == 0:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+
+    reference, ref_fn, _ = _grad_only_run(None, accumulate)
+    train(reference, ref_fn)
+    model, fn, device = _grad_only_run(14, accumulate)
+    train(model, fn)
+    assert fn.stats.ooms >= 1
+    assert any(n > 14 for n in device.sizes)
+    assert max(device.sizes[-5:]) <= 14
+    _same(_params(model), _params(reference))
+
+
+def test_gradients_only_refuse_an_oom_after_adding_to_accumulated_ones() -> None:
+    model, fn, _ = _grad_only_run(100, 2)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    fn((x, y))  # gradients accumulated by the caller, not stepped yet
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(grads) == 4
+    fault = _FailAfterParameterWrite(grads)  # fails just after backward adds to one of them
+    with fault, pytest.raises(AutobatchError, match="accumulated over earlier calls"):
+        fn((x, y))
+    assert fault.fired == 1
+
+
+def test_gradients_only_a_forward_oom_keeps_the_accumulated_gradients_exact() -> None:
+    reference, ref_fn, _ = _grad_only_run(None, 2)
+    model, fn, device = _grad_only_run(100, 2)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    ref_fn((x, y))
+    fn((x, y))
+    device.limit = 4
+    ref_fn((x, y))
+    fn((x, y))  # runs out before backward: split, added to the gradients of the first call
+    assert fn.stats.ooms == 1
+    _same([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+
+
+def test_gradients_only_needs_the_model_and_refuses_an_optimizer_step() -> None:
+    with pytest.raises(ValueError, match="model="):
+        retry_on_oom(policy="accumulate")
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    device = Device(limit=2)
+
+    @retry_on_oom(policy="accumulate", model=model)
+    def step(x: torch.Tensor) -> None:
+        device.check(len(x))
+        model(x).sum().backward()
+        opt.step()
+
+    with pytest.raises(AutobatchError, match=r"SGD\.step\(\)"):
+        step(torch.randn(4, 4))

@@ -69,6 +69,8 @@ class _Accumulation:
         self.stepped: set[int] = set()
         self.pending: set[int] = set()  # parameters whose fresh .grad is still to be weighted
         self.buffers: dict[int, torch.Tensor] = {}
+        self.carried: dict[int, torch.Tensor] = {}  # gradients from before the batch (kept)
+        self.carried_merged = False  # they are in .grad again: a restart could not undo that
         self.patches = [
             _Patch(o, "step", self._deferred(o.step, refuse_closure=True, marks=True))
             for o in optimizers
@@ -158,16 +160,26 @@ class _Accumulation:
             p.grad = None
         self.moving = False
 
+    def carry(self) -> None:
+        """Set the gradients accumulated before this batch aside, to be added back at the end
+        (a step that leaves the optimizer step to its caller, who may accumulate over calls)."""
+        for p in self.params:
+            if p.grad is not None:
+                self.carried[id(p)] = p.grad
+                p.grad = None
+
     def merge(self) -> None:
-        """Add the earlier pieces' sums into ``.grad`` (the last piece)."""
-        if not self.buffers:
+        """Add the earlier pieces' sums (and what was carried) into ``.grad`` (the last piece)."""
+        if not self.buffers and not self.carried:
             return
         self.moving = True
+        self.carried_merged = self.carried_merged or bool(self.carried)
         for p in self.params:
-            buffer = self.buffers.pop(id(p), None)
-            if buffer is not None:
-                self.contributed = True
-                p.grad = buffer if p.grad is None else _add(p.grad, buffer)
+            for store in (self.buffers, self.carried):
+                buffer = store.pop(id(p), None)
+                if buffer is not None:
+                    self.contributed = True
+                    p.grad = buffer if p.grad is None else _add(p.grad, buffer)
         self.moving = False
 
     def _deferred(
@@ -197,7 +209,7 @@ class _Accumulation:
             p.grad = None
 
     def restart(self) -> None:
-        """Forget every piece: gradients to ``None``."""
+        """Forget every piece: gradients to ``None`` (what was carried stays set aside)."""
         self.buffers.clear()
         self.discard()
 

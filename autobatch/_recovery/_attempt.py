@@ -31,6 +31,7 @@ class _Host(Protocol):
     name: str
     optimizers: tuple[torch.optim.Optimizer, ...]
     known: _Known
+    keeps_gradients: bool
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class _Attempt:
     """
 
     __slots__ = (
-        "_hook", "_param_ids", "_saved_owners", "_seen_ids", "_token", "engine", "fresh",
+        "_hook", "_param_ids", "_saved_owners", "_seen_ids", "_token", "engine", "fresh", "grads",
         "learn", "ours_stepped", "outer", "params", "saved", "seen", "session", "shadows",
         "split", "stepped", "versions",
     )
@@ -124,6 +125,10 @@ class _Attempt:
         self.versions = list(map(_VERSION, known.params))
         self.fresh = [not o.state for o in engine.optimizers]
         self.shadows = known.save_buffers() if known.mutable else None
+        self.grads = (  # where the caller accumulates over calls: the gradients as they were
+            [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in known.params]
+            if engine.keeps_gradients else None
+        )
         self.saved: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor, int]] = []
         self.seen: list[nn.Module] = []
         self.outer: _Attempt | None = None
@@ -201,6 +206,19 @@ class _Attempt:
             p for p, version in zip(self.params, self.versions, strict=True)
             if p._version != version
         ]
+
+    def gradients_untouched(self) -> bool:
+        """Whether the gradients from before the attempt are as they were (the failed attempt
+        added nothing to them); those it created are dropped."""
+        if self.grads is None:
+            return True
+        untouched = True
+        for p, grad, version in self.grads:
+            if grad is None:
+                p.grad = None  # made by the failed attempt: partial
+            elif p.grad is not grad or grad._version != version:
+                untouched = False
+        return untouched
 
     def stepped_other(self) -> torch.optim.Optimizer | None:
         """An optimizer the engine was not given that began a step in this attempt."""

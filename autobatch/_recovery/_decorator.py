@@ -144,7 +144,9 @@ def retry_on_oom(
             stepped once per batch under ``"accumulate"``); enables ``"accumulate"`` and the
             check that an OOM did not leave a partly applied update.
         policy: ``"accumulate"`` (one optimizer step per batch; default with an optimizer) or
-            ``"shrink"`` (one step per piece; default without).
+            ``"shrink"`` (one step per piece; default without). ``"accumulate"`` with
+            ``model=`` and no optimizer: the function only computes gradients (its caller
+            steps), and ``.grad`` ends as after an unsplit call.
         reduction: how the step's loss reduces over samples: ``"mean"`` weights each piece by its
             share of the batch, ``"sum"`` adds pieces.
         items: for a loss averaged over something other than rows (tokens): a function of a

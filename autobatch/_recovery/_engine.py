@@ -153,6 +153,8 @@ class _Engine:
             id(p) for p in (options.model.parameters() if options.model is not None else ())
         }
         self.learn_splits = LEARN_SPLITS
+        # Gradients only (no optimizer given): the caller steps, and may accumulate over calls.
+        self.keeps_gradients = self.policy == "accumulate" and not self.optimizers
         self.skips_steps = False  # a whole call ended without an optimizer step
         _see_optimizer_steps()
 
@@ -240,7 +242,7 @@ class _Engine:
         """Note a whole call that took no optimizer step (it accumulates across calls)."""
         if (
             not attempt.ours_stepped
-            and self.policy == "accumulate"
+            and self.optimizers
             and self.options.scaler is None  # a scaler skips steps on overflow
         ):
             self.skips_steps = True
@@ -391,7 +393,7 @@ class _Engine:
                     failure, attempt, key, eps, total, total, memory, session, observer
                 )
             else:
-                if self.policy == "accumulate":
+                if self.optimizers:
                     # The step zeroes them first thing; doing it here keeps the pieces' measured
                     # costs alike (none of them frees the last step's gradients).
                     for p in self.known.params:
@@ -524,6 +526,17 @@ class _Engine:
         problem: AutobatchError | None = None
         try:
             attempt.check(failure, self.optimized_ids, self._describe)
+            if self.keeps_gradients and (
+                (session is None and not attempt.gradients_untouched())
+                or (session is not None and session.carried_merged and (restart or session.dirty))
+            ):
+                raise AutobatchError(
+                    f"{self.name} ran out of memory ({failure.kind}) in backward after it had "
+                    "added to gradients accumulated over earlier calls: their sum cannot be "
+                    "taken apart again, so the batch is not retried. Restore from a checkpoint; "
+                    "to avoid it, keep the batches of an accumulation window small enough, or "
+                    "give the optimizer to autobatch (optimizer=), which accumulates itself"
+                ) from failure.exc
             if self.skips_steps and self.policy == "accumulate":
                 raise AutobatchError(
                     f"{self.name} ran out of memory ({failure.kind}), and earlier calls returned "
@@ -591,7 +604,10 @@ class _Engine:
         return session
 
     def _accumulation(self) -> _Accumulation:
-        return _Accumulation(self.known.params, self.optimizers, self.options.scaler)
+        session = _Accumulation(self.known.params, self.optimizers, self.options.scaler)
+        if self.keeps_gradients:
+            session.carry()
+        return session
 
     def _warn_batchnorm(self, attempt: _Attempt) -> None:
         if "batchnorm" in self.warned:

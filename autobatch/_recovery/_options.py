@@ -46,10 +46,12 @@ class RecoveryOptions:
             object.__setattr__(self, "policy", "accumulate" if optimizers else "shrink")
         if self.policy not in ("accumulate", "shrink"):
             raise ValueError(f"policy must be 'accumulate' or 'shrink', got {self.policy!r}")
-        if self.policy == "accumulate" and not optimizers:
+        if self.policy == "accumulate" and not optimizers and self.model is None:
             raise ValueError(
                 "policy='accumulate' needs the optimizer, so that the pieces of a batch make one "
-                "step: pass retry_on_oom(optimizer=opt), or use policy='shrink'"
+                "step (retry_on_oom(optimizer=opt)), or, for a function that only computes "
+                "gradients and leaves the step to its caller, the model whose gradients add up "
+                "(retry_on_oom(policy='accumulate', model=model)); else use policy='shrink'"
             )
         if self.reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {self.reduction!r}")
