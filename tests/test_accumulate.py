@@ -1000,3 +1000,21 @@ def test_gradients_only_needs_the_model_and_refuses_an_optimizer_step() -> None:
 
     with pytest.raises(AutobatchError, match=r"SGD\.step\(\)"):
         step(torch.randn(4, 4))
+
+
+def test_every_recovered_oom_is_one_warning_with_the_batch_shapes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    device = Device(limit=3)
+
+    @retry_on_oom
+    def step(b: dict[str, Any]) -> None:
+        device.check(len(b["x"]))
+
+    with caplog.at_level("WARNING", logger="autobatch"):
+        step({"x": torch.zeros(8, 5), "ids": list(range(8))})
+        step({"x": torch.zeros(8, 5), "ids": list(range(8))})  # no new OOM: nothing to say
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2  # 8 -> 4 -> 2
+    assert all("(8, 5)" in r.getMessage() and "ran out of memory" in r.getMessage()
+               for r in warned)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import logging
 import math
 import warnings
 from collections.abc import Callable, Hashable
@@ -153,6 +154,7 @@ class _Engine:
             id(p) for p in (options.model.parameters() if options.model is not None else ())
         }
         self.learn_splits = LEARN_SPLITS
+        self._current: Batch | None = None  # the batch of the call in progress, for the log
         # Gradients only (no optimizer given): the caller steps, and may accumulate over calls.
         self.keeps_gradients = self.policy == "accumulate" and not self.optimizers
         self.skips_steps = False  # a whole call ended without an optimizer step
@@ -175,13 +177,18 @@ class _Engine:
         self.tally.change(change)
         if observer is not None:
             observer.size_changed(self, change)
-        logger.info(
-            "%s: micro-batch size %s -> %d (%s) at call %d",
+        recovered = reason in ("oom", "grow failed")  # a recovered OOM is never invisible
+        logger.log(
+            logging.WARNING if recovered else logging.INFO,
+            "%s: %smicro-batch size %s -> %d (%s) at call %d%s",
             self.name,
+            "ran out of memory; " if recovered else "",
             "whole batch" if old is None else old,
             new,
             reason,
             self.calls,
+            f" on a batch of {describe(self._current)}"
+            if recovered and self._current is not None else "",
         )
 
     def _locate(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Batch:
@@ -378,6 +385,7 @@ class _Engine:
         eps = max(elements_per_sample(batch), 1)
         memory = memory_for(self._device(batch))
         statistics = memory.has_statistics
+        self._current = batch  # for the log of a recovery; dropped when the call ends
         coord = self.coordinated()
         pieces: list[tuple[int, Any, float]] = []
         done = 0
@@ -477,6 +485,7 @@ class _Engine:
                     failure, attempt, key, eps, n, lost, memory, session, observer, restart=dirty
                 )
         finally:
+            self._current = None
             if session is not None:
                 session.close()
         if split:
