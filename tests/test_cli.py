@@ -45,6 +45,19 @@ MODELS = textwrap.dedent(
 
     def not_a_model():
         return 3
+
+
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 2)
+
+        def forward(self, x):
+            raise ValueError("picky: this model refuses every input")
+
+
+    def picky():
+        return Picky()
     """
 )
 MLP = ["--model", "tinymodels:mlp", "--sample-shape", "512", "--labels", "classes:10"]
@@ -360,3 +373,77 @@ def test_real_cpu_search_needs_a_limit_and_says_no_statistics(
     out = capsys.readouterr().out
     assert "largest batch that fits: 16" in out
     assert "this device keeps no memory statistics" in out
+
+
+# --------------------------------------------------------------------------- exit codes, --json
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["find", *MLP, "--simulate", "1e999"], "--simulate='1e999' is not a size"),
+        (["plan", *MLP, "--capacity", "1e999"], "--capacity='1e999' is not a size"),
+        (["plan", *MLP, "--capacity", "nan"], "--capacity='nan' is not a size"),
+        (["find", *MLP, "--max-batch", "0", "--simulate", "1MiB"], "--max-batch must be"),
+        (["best", *MLP, "--tolerance", "3", "--simulate", "1MiB"], "--tolerance must be"),
+        (["demo", "--headroom", "-1"], "--headroom must be"),
+        (["plan", *MLP, "--capacity", "1MiB", "--overhead", "2MiB"], "--overhead 2MiB"),
+    ],
+)
+def test_sizes_and_options_that_make_no_sense_are_usage_errors(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    args: list[str], message: str,
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_a_value_error_in_the_users_forward_is_a_run_error_not_a_usage_error(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["find", "--model", "tinymodels:picky", "--sample-shape", "8", "--simulate", "1MiB",
+            "--no-cache"]
+    assert main(args) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "picky: this model refuses every input" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["find", *MLP, "--simulate", "1e999", "--json"], 2, "is not a size"),
+        (["find", *MLP, "--optimizer", "lamb", "--json"], 2, "invalid choice"),
+        (["find", "--model", "tinymodels:picky", "--sample-shape", "8", "--simulate", "1MiB",
+          "--no-cache", "--json"], 1, "picky"),
+        (["find", "--model", "tinymodels:huge", "--sample-shape", "2048", "--simulate", "4MiB",
+          "--json"], 3, "does not fit"),
+    ],
+)
+def test_json_errors_print_one_object_with_the_error(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    args: list[str], code: int, message: str,
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    assert main(args) == code
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)  # stdout holds exactly one JSON object
+    assert message in document["error"]
+    assert document["exit_code"] == code
+    assert document["command"] == "find"
+    assert message in captured.err  # and the one line on stderr, as without --json
+
+
+def test_numpy_is_installed_with_the_package_and_the_cli_does_not_warn(workdir: Path) -> None:
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+    requires = config["options"]["install_requires"].split()
+    assert "numpy" in requires  # torch warns "Failed to initialize NumPy" on import without it
+    result = run(workdir, "--version")
+    assert result.returncode == 0
+    assert "NumPy" not in result.stderr
