@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import time
 from collections.abc import Iterable, Iterator
@@ -658,17 +657,17 @@ def plan_max_batch(
             probe(half)
         memory_model = None if top is None else fit_linear([(half, peaks[half]), (top, peaks[top])])
         breakdown = setup.breakdown(largest)
-    whole = (
-        None if memory_model is None
-        else LinearModel(memory_model.fixed + overhead_bytes, memory_model.per_sample)
-    )
-    batch_size = recommend(
-        dataclasses.replace(outcome, model=whole),
-        capacity_bytes=capacity_bytes,
-        headroom=headroom,
-        multiple_of=multiple_of,
-        min_size=min_batch,
-    )
+        # Planned like a search's trials: every part of the curve within (1 - headroom) of the
+        # capacity, the size's own planned peak checked.
+        batch_size = recommend(
+            outcome,
+            capacity_bytes=capacity_bytes,
+            headroom=headroom,
+            multiple_of=multiple_of,
+            min_size=min_batch,
+            probe=probe,
+            reserved_bytes=overhead_bytes,
+        )
     notes = list(setup.notes)
     if train and setup.optimizer is None and step_fn is None:
         notes.append("no optimizer given: forward and backward only, optimizer state not counted")

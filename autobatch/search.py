@@ -839,13 +839,22 @@ def recommend(
     headroom: float = 0.0,
     multiple_of: int = 1,
     min_size: int = 1,
+    probe: Callable[[int], Outcome] | None = None,
+    reserved_bytes: int = 0,
+    max_probes: int = 6,
 ) -> int:
     """The largest grid size at most ``outcome.largest_fit`` that leaves ``headroom`` of memory free.
 
-    With a fitted model and ``capacity_bytes``: the largest size whose predicted peak is at most
-    ``(1 - headroom) * capacity_bytes``. Otherwise an approximation: ``(1 - headroom) *
-    largest_fit`` rounded down. Either way on the grid, never below the smallest grid size and
-    never above ``largest_fit``.
+    ``headroom=0`` is ``largest_fit`` itself (on the grid). Otherwise, with measured peaks and
+    ``capacity_bytes``, the target is a peak of at most ``(1 - headroom) * capacity_bytes -
+    reserved_bytes``: the size is predicted by the line of the part (see :func:`binding_points`)
+    that reaches that target first, which on a bent curve need not be the part that binds at
+    the capacity. With a ``probe`` the prediction is checked: a size whose peak was not
+    measured is probed, and one whose peak is above the target is refitted below, so the size
+    returned has a measured peak within the target (the smallest grid size when none has; the
+    caller can tell from the trials). Without peaks: ``(1 - headroom) * largest_fit`` rounded
+    down (or ``outcome.model``'s prediction, when there is one). Always on the grid, never below
+    the smallest grid size and never above ``largest_fit``.
 
     >>> found = SearchOutcome(largest_fit=100, smallest_fail=101, trials=(), model=None)
     >>> recommend(found, headroom=0.1, multiple_of=8)
@@ -853,13 +862,20 @@ def recommend(
 
     Args:
         outcome: a search result with a fitting size.
-        capacity_bytes: the memory budget the model's peaks are compared with.
+        capacity_bytes: the memory budget the peaks are compared with.
         headroom: the fraction of capacity to leave free, in ``[0, 1)``.
         multiple_of: the grid step.
         min_size: the smallest size allowed.
+        probe: the search's probe, to measure sizes the prediction proposes (e.g. ``find``'s
+            trial runner); ``None`` trusts the prediction.
+        reserved_bytes: bytes the peaks do not include but the capacity must hold (a plan's
+            overhead).
+        max_probes: the most sizes probed.
     """
     _check_int("multiple_of", multiple_of, minimum=1)
     _check_int("min_size", min_size, minimum=1)
+    _check_int("reserved_bytes", reserved_bytes, minimum=0)
+    _check_int("max_probes", max_probes, minimum=0)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     largest = outcome.largest_fit
@@ -872,8 +888,74 @@ def recommend(
             f"largest_fit={largest} is below the smallest grid size {smallest} "
             f"(min_size={min_size}, multiple_of={multiple_of}); pass the search's own grid"
         )
-    if outcome.model is not None and capacity_bytes is not None:
-        size = outcome.model.largest_within((1 - headroom) * capacity_bytes)
-    else:
-        size = math.floor((1 - headroom) * largest)
-    return max(smallest, min(size // multiple_of * multiple_of, top))
+    if headroom == 0:
+        return top  # the exact largest size that fits: it was probed and it fit
+    trials = list(outcome.trials)
+    measured = any(t.fits and t.peak_bytes is not None for t in trials)
+    if capacity_bytes is None or not measured:
+        if outcome.model is not None and capacity_bytes is not None:
+            size = outcome.model.largest_within((1 - headroom) * capacity_bytes - reserved_bytes)
+        else:
+            size = math.floor((1 - headroom) * largest)
+        return max(smallest, min(size // multiple_of * multiple_of, top))
+    target = math.floor((1 - headroom) * capacity_bytes) - reserved_bytes
+    return _Settling(trials, target, smallest, top, multiple_of).run(probe, max_probes)
+
+
+class _Settling:
+    """:func:`recommend`'s measured search: the largest grid size whose peak is within a target,
+    between the sizes measured within it and those measured above it."""
+
+    def __init__(
+        self, trials: list[Trial], target: int, smallest: int, top: int, step: int
+    ) -> None:
+        self.trials = trials
+        self.target = target
+        self.smallest, self.top, self.step = smallest, top, step
+
+    def bounds(self) -> tuple[int | None, int]:
+        """(largest grid size measured within the target, smallest size known above it)."""
+        within: int | None = None
+        above = self.top + self.step
+        for t in self.trials:
+            over = not t.fits or (t.peak_bytes is not None and t.peak_bytes > self.target)
+            if over:
+                above = min(above, t.size)
+            elif t.peak_bytes is not None and t.size % self.step == 0 and t.size <= self.top:
+                within = t.size if within is None else max(within, t.size)
+        return within, above
+
+    def predict(self) -> int | None:
+        """The largest size the parts' lines put within the target (``None``: no line)."""
+        points = binding_points(self.trials, max(self.target, 1))
+        model = fit_linear(points)
+        if model is None:
+            return None
+        return model.largest_within(self.target)
+
+    def run(self, probe: Callable[[int], Outcome] | None, max_probes: int) -> int:
+        misses = 0
+        for _ in range(max_probes + 1):
+            within, above = self.bounds()
+            lower = self.smallest - self.step if within is None else within
+            if above - lower <= self.step:
+                break
+            predicted = self.predict()
+            # the lines misled twice (or there are none): bisect
+            guess = (lower + above) // 2 if predicted is None or misses >= 2 else predicted
+            size = min(max(guess // self.step * self.step, lower + self.step), above - self.step)
+            if probe is None:
+                return size
+            if within is not None and size <= within:
+                break
+            outcome = probe(size)
+            self.trials.append(
+                Trial(size, outcome.fits, outcome.peak_bytes, outcome.error, outcome.parts,
+                      outcome.phases)
+            )
+            if not outcome.fits or (outcome.peak_bytes or 0) > self.target:
+                misses += 1
+            else:  # within the target (or unmeasured: trusted); the lines aimed at the largest
+                return size
+        within, _ = self.bounds()
+        return self.smallest if within is None else within

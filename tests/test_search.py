@@ -594,6 +594,52 @@ def test_recommend_never_exceeds_the_answer() -> None:
     assert recommend(found, capacity_bytes=10**9, headroom=0.5) == 50
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 40 * MIB), st.integers(0, 200_000)), min_size=1, max_size=4
+    ),
+    st.sampled_from([0.05, 0.1, 0.2, 0.3, 0.5]),
+    st.sampled_from([1, 8]),
+)
+def test_recommended_peak_is_within_the_headroom_on_any_bent_curve(
+    lines: list[tuple[int, int]], headroom: float, multiple_of: int
+) -> None:
+    """The step's peak is the maximum of its parts (each affine, rounded to 512-byte blocks):
+    the recommended size's peak is at most (1 - headroom) of the capacity whichever part binds
+    there, or it is the smallest size and every size's peak is above it."""
+    capacity = 64 * MIB
+    assume(any(per_sample > 0 for _, per_sample in lines))
+
+    def parts(n: int) -> tuple[int, ...]:
+        return tuple(rounded(fixed + per_sample * n, 512) for fixed, per_sample in lines)
+
+    def probe(n: int) -> Outcome:
+        peak = max(parts(n))
+        return Outcome(fits=peak <= capacity, peak_bytes=peak, parts=parts(n))
+
+    assume(probe(multiple_of).fits)
+    outcome = search(probe, capacity_bytes=capacity, multiple_of=multiple_of)
+    assert outcome.largest_fit is not None
+    asked: list[int] = []
+
+    def counting(n: int) -> Outcome:
+        asked.append(n)
+        return probe(n)
+
+    size = recommend(outcome, capacity_bytes=capacity, headroom=headroom,
+                     multiple_of=multiple_of, probe=counting)
+    target = (1 - headroom) * capacity
+    assert size % multiple_of == 0
+    assert size <= outcome.largest_fit
+    assert len(asked) <= 6
+    if max(parts(size)) > target:
+        assert size == multiple_of
+    assert recommend(outcome, capacity_bytes=capacity, multiple_of=multiple_of) == (
+        outcome.largest_fit // multiple_of * multiple_of
+    )
+
+
 def test_recommend_checks_its_arguments() -> None:
     found = SearchOutcome(largest_fit=None, smallest_fail=1, trials=(), model=None)
     with pytest.raises(ValueError, match="largest_fit"):
