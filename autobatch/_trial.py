@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,9 @@ from torch.optim.optimizer import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autobatch import _batch
+from autobatch._accounting import storages
 from autobatch._backends import DeviceMemory, free_memory
-from autobatch._log import get_logger
+from autobatch._log import get_logger, user_stacklevel
 from autobatch._oom import failure_kind
 from autobatch._state import Snapshot
 from autobatch._units import format_bytes
@@ -182,6 +184,7 @@ def prepared(
     afterwards gradients dropped, everything put back and the device cache emptied, also when
     a trial raised."""
     made = make_optimizer(optimizer if train else None, model)
+    _warn_uncounted(memory, model, made if made is optimizer else None)
     snapshot = Snapshot(model, made, tuple(x for x in (scaler,) if x is not None))
     work = Workload(
         model, made, make_step(model, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler)
@@ -194,6 +197,33 @@ def prepared(
         work.drop_gradients()
         snapshot.restore()
         memory.empty_cache()
+
+
+def _warn_uncounted(
+    memory: DeviceMemory, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Warn when a simulated GPU does not count the model (or the caller's optimizer state):
+    built before the simulator was entered and not adopted, its bytes would be missing from
+    every trial, and the size found too large by that much."""
+    from autobatch.testing._simulator import SimulatedMemory  # the simulator imports the backends
+
+    if not isinstance(memory, SimulatedMemory):
+        return
+    ledger = memory.gpu.ledger
+    held: list[Any] = [model] if optimizer is None else [model, optimizer]
+    missing = sum(
+        ledger.size_of(storage)
+        for storage in storages(held)
+        if storage.device.type == memory.device.type and storage not in ledger
+    )
+    if missing:
+        warnings.warn(
+            f"{format_bytes(missing)} of the model's parameters, buffers, gradients or "
+            "optimizer state are not counted by the active SimulatedGPU (created before it was "
+            "entered): every trial would leave them out and find a batch too large. Call "
+            "gpu.adopt(model, optimizer) first",
+            stacklevel=user_stacklevel(),
+        )
 
 
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:

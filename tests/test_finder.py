@@ -617,3 +617,29 @@ def test_unbounded_search_of_host_memory_warns() -> None:
 
     with pytest.warns(UserWarning, match="max_batch"):
         assert find_max_batch(model, torch.randn(2, 4), step_fn=step, headroom=0) == 64
+
+
+def test_a_model_the_simulator_does_not_count_is_warned_about() -> None:
+    """Built before entering SimulatedGPU and not adopted, the model's parameters are in no
+    trial: the size found would be too large by their bytes."""
+    torch.manual_seed(0)
+    model = mlp(width=512, depth=2)
+    sample = WORKLOADS["mlp"].sample(4)
+    with SimulatedGPU("8MiB") as gpu:
+        with pytest.warns(UserWarning, match=r"gpu\.adopt\(model, optimizer\)"):
+            forgot = search_batch_size(model, sample, torch.optim.AdamW, loss_fn=CE)
+        gpu.adopt(model)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            adopted = search_batch_size(model, sample, torch.optim.AdamW, loss_fn=CE)
+    assert forgot.max_batch_size > adopted.max_batch_size  # the silent error it warns about
+    optimizer = torch.optim.SGD(model.parameters(), momentum=0.9)
+    CE(model(sample[0]), sample[1]).backward()
+    optimizer.step()  # momentum buffers created outside the simulator
+    optimizer.zero_grad(set_to_none=True)
+    with SimulatedGPU("8MiB") as gpu:
+        gpu.adopt(model)
+        with pytest.warns(UserWarning, match="not counted by the active SimulatedGPU"):
+            search_batch_size(model, sample, optimizer, loss_fn=CE)
