@@ -268,7 +268,7 @@ def search_batch_size(
                 stacklevel=user_stacklevel(),
             )
         runner = TrialRunner(
-            make_batch, work.step, memory, steps_per_trial=steps_per_trial,
+            make_batch, work.step, work.memory, steps_per_trial=steps_per_trial,
             cleanup=work.drop_gradients, per_operator=per_operator_possible(model),
         )
         if work.optimizer is not None:

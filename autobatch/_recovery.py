@@ -95,7 +95,7 @@ from autobatch._batch import (
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_stacklevel
 from autobatch._oom import MAX_CHAIN_DEPTH, is_oom_error, oom_kind
-from autobatch._trial import _PhasePeaks
+from autobatch._trial import PeakKeeping, _PhasePeaks
 from autobatch._units import format_bytes
 from autobatch.search import LinearModel, fit_linear
 
@@ -1249,7 +1249,7 @@ class _Engine:
             raise self._unsplittable(batch, failure, reason) from failure.exc
         key = shape_key(batch)
         eps = max(elements_per_sample(batch), 1)
-        memory = memory_for(self._device(batch))
+        memory = PeakKeeping(memory_for(self._device(batch)))  # resets the user never sees
         statistics = memory.has_statistics
         coord = self.coordinated()
         pieces: list[tuple[int, Any]] = []
@@ -1336,6 +1336,7 @@ class _Engine:
         finally:
             if session is not None:
                 session.close()
+            memory.restore_peak()
         self.sizes.finish(key, clean)
         self._finished(total)
         self.tally.micro_batch_size = max(n for n, _ in pieces) if len(pieces) > 1 else None

@@ -153,6 +153,69 @@ def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Op
     )
 
 
+class PeakKeeping(DeviceMemory):
+    """A device's memory whose peak counter autobatch may reset, as the user never sees.
+
+    Measuring a trial (or a micro-batch) means resetting the device's peak statistic
+    (``torch.cuda.reset_peak_memory_stats``), which would wipe the peak the user logs with
+    ``max_memory_allocated()``. Every reset through this wrapper first reads the peak it ends,
+    and :meth:`restore_peak` puts back the peak the device really reached since the user's own
+    last reset: the highest of those readings, reached again by a transient allocation of the
+    difference (which the device's allocator rounds as it does any allocation) when the counter
+    is lower. Everything else is the wrapped backend's.
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        super().__init__(memory.device)
+        self.inner = memory
+        self.has_statistics = memory.has_statistics  # type: ignore[misc]
+        self.highest = memory.peak_bytes() if memory.has_statistics else 0
+
+    def capacity_bytes(self) -> int:
+        return self.inner.capacity_bytes()
+
+    def allocated_bytes(self) -> int:
+        return self.inner.allocated_bytes()
+
+    def peak_bytes(self) -> int:
+        return self.inner.peak_bytes()
+
+    def reset_peak(self) -> None:
+        if self.has_statistics:
+            self.highest = max(self.highest, self.inner.peak_bytes())
+        self.inner.reset_peak()
+
+    def free_bytes(self) -> int:
+        return self.inner.free_bytes()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def empty_cache(self) -> None:
+        self.inner.empty_cache()
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def restore_peak(self) -> None:
+        """Raise the device's peak counter back to the highest peak seen (see the class)."""
+        if not self.has_statistics:
+            return
+        if self.inner.peak_bytes() >= self.highest:
+            return
+        missing = self.highest - self.inner.allocated_bytes()  # allocated on top of what is
+        if missing <= 0 or missing > self.inner.free_bytes():
+            return
+        try:
+            with torch.no_grad():
+                torch.empty(missing, dtype=torch.uint8, device=self.device)
+        except Exception as error:  # another process took the memory: the counter stays low
+            if failure_kind(error) is None:
+                raise
+        self.highest = max(self.highest, self.inner.peak_bytes())
+
+
 @dataclass(frozen=True)
 class Workload:
     """What a front-end runs trials with: the step, and the optimizer it steps (if any)."""
@@ -160,6 +223,7 @@ class Workload:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     step: Callable[[Batch], None]
+    memory: PeakKeeping
 
     def drop_gradients(self) -> None:
         """Set every gradient to None: after a failed trial, and between trials."""
@@ -181,13 +245,17 @@ def prepared(
 ) -> Iterator[Workload]:
     """The one setup and teardown around trials: the optimizer made, everything a trial may
     change saved (:class:`~autobatch._state.Snapshot`), the model in eval mode for inference;
-    afterwards gradients dropped, everything put back and the device cache emptied, also when
-    a trial raised."""
+    afterwards gradients dropped, everything put back, the device's peak counter raised back to
+    what it would read had no trial reset it (``work.memory``, :class:`PeakKeeping`, is what
+    trials measure with) and the device cache emptied, also when a trial raised."""
     made = make_optimizer(optimizer if train else None, model)
     _warn_uncounted(memory, model, made if made is optimizer else None)
     snapshot = Snapshot(model, made, tuple(x for x in (scaler,) if x is not None))
     work = Workload(
-        model, made, make_step(model, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler)
+        model,
+        made,
+        make_step(model, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler),
+        PeakKeeping(memory),
     )
     try:
         if not train:
@@ -196,6 +264,8 @@ def prepared(
     finally:
         work.drop_gradients()
         snapshot.restore()
+        memory.empty_cache()
+        work.memory.restore_peak()  # the user's max_memory_allocated() as if never reset
         memory.empty_cache()
 
 

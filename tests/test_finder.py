@@ -643,3 +643,22 @@ def test_a_model_the_simulator_does_not_count_is_warned_about() -> None:
         gpu.adopt(model)
         with pytest.warns(UserWarning, match="not counted by the active SimulatedGPU"):
             search_batch_size(model, sample, optimizer, loss_fn=CE)
+
+
+def test_the_users_peak_statistic_survives_a_search() -> None:
+    """Trials reset the device's peak counter to measure themselves; afterwards it reads what
+    the device really reached since the user's own last reset, as if never reset."""
+    torch.manual_seed(0)
+    model = mlp()
+    x, y = WORKLOADS["mlp"].sample(4)
+    with SimulatedGPU("16MiB") as gpu:
+        gpu.adopt(model)
+        rows = torch.arange(2000) % 4
+        CE(model(x[rows]), y[rows]).backward()  # the user's own big step
+        model.zero_grad(set_to_none=True)
+        theirs = gpu.peak_bytes
+        small = search_batch_size(model, (x, y), torch.optim.SGD, loss_fn=CE, max_batch=16)
+        assert max(t.peak_bytes or 0 for t in small.trials) < theirs
+        assert gpu.peak_bytes == theirs  # their logging reads their peak, not a trial's
+        full = search_batch_size(model, (x, y), torch.optim.SGD, loss_fn=CE)
+        assert gpu.peak_bytes >= max(theirs, *(t.peak_bytes or 0 for t in full.trials))
