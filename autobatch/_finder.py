@@ -475,8 +475,9 @@ def find_max_batch(
         temporary one is used), or None (forward and backward only).
     loss_fn:
         ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)`` otherwise.
-        Default: a scalar output, ``output.loss`` / ``output["loss"]``, else the sum of the
-        means of the floating-point outputs.
+        Default: a scalar output, ``output.loss`` / ``output["loss"]`` (a Hugging Face model
+        given ``labels``), else a stand-in that keeps as much for backward as a training loss:
+        a cross-entropy over the last dimension of each floating-point output.
     step_fn:
         ``step_fn(model, batch)``: your whole step (AMP and GradScaler, clipping, several
         forwards), run instead of the default one.

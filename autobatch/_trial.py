@@ -63,13 +63,29 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
     """The scalar to call ``backward`` on.
 
     ``loss_fn(output, target)`` (or ``loss_fn(output)`` without a target) when given; else a
-    scalar output, an output's ``.loss`` or ``["loss"]``; else a stand-in: the sum of the means of
-    every floating-point output tensor that needs a gradient. The stand-in back-propagates
-    through every output, so the memory is that of a real loss, give or take the loss's own
-    small buffers.
+    scalar output, an output's ``.loss`` or ``["loss"]`` (a model's own loss, e.g. a Hugging
+    Face model given ``labels``); else a stand-in that costs at least what a training loss
+    does: a cross-entropy over the last dimension of every floating-point output that needs a
+    gradient (for a language model's logits that is the loss it trains with; it keeps the
+    log-probabilities for backward, as a real classification loss does), the mean of those
+    with fewer than two dimensions. A plain mean would keep nothing, so a language model would
+    look cheaper than it is. When ``loss_fn`` cannot take what the model returned (an object
+    such as a ``ModelOutput``), the error says in one line what came back and what to pass.
     """
     if loss_fn is not None:
-        return loss_fn(output) if target is None else loss_fn(output, target)
+        try:
+            return loss_fn(output) if target is None else loss_fn(output, target)
+        except (TypeError, AttributeError) as error:
+            if isinstance(output, torch.Tensor):
+                raise
+            problem = f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
+        raise TypeError(
+            f"the model returned {_batch.describe(output)}, not a tensor, and "
+            f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)} cannot take it "
+            f"({problem}); pass a loss_fn that reads the field it needs (e.g. "
+            "lambda output, target: cross_entropy(output.logits.flatten(0, -2), "
+            "target.flatten())), or no loss_fn and labels the model computes its own loss from"
+        )
     if isinstance(output, torch.Tensor) and output.dim() == 0:
         return output
     loss = getattr(output, "loss", None)
@@ -78,7 +94,7 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         return loss
     parts = [
-        t.float().mean()
+        _stand_in(t)
         for t in _batch.tensors(output)
         if t.is_floating_point() or t.is_complex()
         if t.requires_grad
@@ -89,6 +105,40 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
             "back-propagate; pass loss_fn=, step_fn=, or train=False for inference"
         )
     return torch.stack(parts).sum()
+
+
+def _stand_in(output: torch.Tensor) -> torch.Tensor:
+    """A loss over one output tensor that keeps as much for backward as a training loss does."""
+    if output.is_complex():
+        output = output.abs()
+    if output.dim() < 2:
+        return output.float().mean()
+    scores = output.flatten(0, -2).float()
+    targets = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+    return torch.nn.functional.cross_entropy(scores, targets)
+
+
+def language_model_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """A causal language model's loss: each position predicts the next token.
+
+    ``output`` is the logits ``(batch, length, vocabulary)`` or an object with ``.logits`` (a
+    Hugging Face ``ModelOutput``); ``tokens`` the input ids, which are the labels.
+
+    >>> logits, tokens = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    >>> float(language_model_loss(logits, tokens)) > 0
+    True
+    """
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tokens.dim() != 2:
+        raise TypeError(
+            f"a language-model loss needs logits (batch, length, vocabulary) and tokens (batch, "
+            f"length); the model returned {_batch.describe(output)} for tokens "
+            f"{tuple(tokens.shape)}"
+        )
+    predicted = logits[:, :-1].flatten(0, 1).float()
+    return torch.nn.functional.cross_entropy(predicted, tokens[:, 1:].flatten())
 
 
 def make_step(

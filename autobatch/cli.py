@@ -40,7 +40,7 @@ from autobatch._errors import BatchSizeError
 from autobatch._finder import SearchResult, _check_options, search_batch_size
 from autobatch._oom import oom_kind
 from autobatch._throughput import ThroughputPoint, ThroughputResult, _check, find_best_batch
-from autobatch._trial import TrialRecord
+from autobatch._trial import LossFn, TrialRecord, language_model_loss
 from autobatch._units import format_bytes, parse_bytes
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS
@@ -124,12 +124,17 @@ def _workload(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="float32",
                        help="dtype of the --sample-shape input (default float32; integer "
                             "inputs are zeros, valid token ids)")
-    group.add_argument("--labels", default="none", metavar="classes:N|none",
-                       help="with --sample-shape: an int class label per row (the sample is "
-                            "(input, label) and the loss cross-entropy), or none (default)")
+    group.add_argument("--labels", default="none", metavar="classes:N|tokens|none",
+                       help="with --sample-shape: classes:N, an int class label per row (the "
+                            "sample is (input, label) and the loss cross-entropy); tokens, a "
+                            "language model's labels, the input tokens themselves (the model's "
+                            "own loss when forward takes labels=, else next-token "
+                            "cross-entropy); or none (default)")
     group.add_argument("--loss", default="auto", metavar="auto|cross_entropy|mse|PKG.MODULE:FN",
                        help="loss_fn(output, target): default cross-entropy with class labels, "
-                            "else a scalar output, output.loss, or the sum of output means")
+                            "else a scalar output, output.loss, or a stand-in that costs as "
+                            "much as a training loss (cross-entropy over each output's last "
+                            "dimension)")
     group.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZERS),
                        help="optimizer whose state is counted (default adamw; sgd has "
                             "momentum 0.9; none: forward and backward only)")
@@ -300,13 +305,17 @@ def _parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _parse_labels(text: str) -> int | None:
-    if text == "none":
-        return None
+def _parse_labels(text: str) -> int | str | None:
+    """``classes:N`` gives N, ``tokens`` gives "tokens", ``none`` None."""
+    if text in ("none", "tokens"):
+        return None if text == "none" else text
     kind, _, count = text.partition(":")
     if kind == "classes" and count.isdigit() and int(count) >= 1:
         return int(count)
-    raise UsageError(f"--labels {text!r}: write classes:N (e.g. classes:1000) or none")
+    raise UsageError(
+        f"--labels {text!r}: write classes:N (e.g. classes:1000), tokens (a language model: the "
+        "labels are the input tokens) or none"
+    )
 
 
 @dataclass(frozen=True)
@@ -314,10 +323,13 @@ class _Sample:
     value: Any
     classes: int | None
     text: str
+    tokens: bool = False
 
 
 def _make_sample(args: argparse.Namespace) -> _Sample:
     if args.sample is not None:
+        if args.labels != "none":
+            raise UsageError("--labels goes with --sample-shape; a --sample makes its own labels")
         factory = _load(args.sample, "--sample")
         if not callable(factory):
             return _Sample(factory, None, args.sample)
@@ -326,17 +338,40 @@ def _make_sample(args: argparse.Namespace) -> _Sample:
         return _Sample(factory(), None, f"{args.sample}()")
     shape = _parse_shape(args.sample_shape)
     dtype = _parse_dtype(args.dtype)
-    classes = _parse_labels(args.labels)
+    labels = _parse_labels(args.labels)
     generator = torch.Generator().manual_seed(0)  # never touches the global RNG
     if dtype.is_floating_point or dtype.is_complex:
         inputs = torch.randn((1, *shape), generator=generator).to(dtype)
     else:
         inputs = torch.zeros((1, *shape), dtype=dtype)
     text = f"{'x'.join(map(str, shape))} {str(dtype).removeprefix('torch.')}"
-    if classes is None:
+    if labels is None:
         return _Sample(inputs, None, text)
-    labels = torch.randint(0, classes, (1,), generator=generator)
-    return _Sample((inputs, labels), classes, f"{text} with a label of {classes} classes")
+    if labels == "tokens":
+        if dtype.is_floating_point or dtype.is_complex or len(shape) != 1:
+            raise UsageError(
+                f"--labels tokens needs token ids: --sample-shape LENGTH --dtype int64, not "
+                f"{text}"
+            )
+        return _Sample(inputs, None, f"{text} tokens, labels the tokens", tokens=True)
+    assert isinstance(labels, int)
+    target = torch.randint(0, labels, (1,), generator=generator)
+    return _Sample((inputs, target), labels, f"{text} with a label of {labels} classes")
+
+
+def _language_model_sample(sample: _Sample, model: nn.Module) -> tuple[Any, LossFn | None]:
+    """``--labels tokens``: the model's own loss when its forward takes ``labels=`` (a Hugging
+    Face model: ``{input name: tokens, "labels": tokens}``), else ``(tokens, tokens)`` and a
+    next-token cross-entropy over the logits."""
+    tokens = sample.value
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    names = [p.name for p in parameters]
+    if "labels" in names and parameters and parameters[0].name != "labels":
+        return {parameters[0].name: tokens, "labels": tokens}, None
+    return (tokens, tokens), language_model_loss
 
 
 def _make_loss(spec: str, classes: int | None) -> Callable[..., torch.Tensor] | None:
@@ -592,6 +627,11 @@ def _setup(args: argparse.Namespace) -> _Setup:
     sample = _make_sample(args)
     loss_fn = _make_loss(args.loss, sample.classes)
     model = _make_model(args.model)
+    if sample.tokens:
+        value, lm_loss = _language_model_sample(sample, model)
+        sample = dataclasses.replace(sample, value=value)
+        if args.loss == "auto":
+            loss_fn = lm_loss
     return _Setup(model, sample, _OPTIMIZERS[args.optimizer], loss_fn, not args.inference)
 
 

@@ -58,6 +58,28 @@ MODELS = textwrap.dedent(
 
     def picky():
         return Picky()
+
+
+    def gpt2():
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000,
+                                          n_positions=128, bos_token_id=0, eos_token_id=0))
+
+
+    class NextToken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(1000, 64)
+            self.head = nn.Linear(64, 1000)
+
+        def forward(self, tokens):
+            return self.head(torch.relu(self.embed(tokens)))
+
+
+    def next_token():
+        return NextToken()
     """
 )
 MLP = ["--model", "tinymodels:mlp", "--sample-shape", "512", "--labels", "classes:10"]
@@ -447,3 +469,83 @@ def test_numpy_is_installed_with_the_package_and_the_cli_does_not_warn(workdir: 
     result = run(workdir, "--version")
     assert result.returncode == 0
     assert "NumPy" not in result.stderr
+
+
+# --------------------------------------------------------------------------- language models
+
+
+def _largest(main_args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main([*main_args, "--json", "--no-cache", "--headroom", "0"]) == 0
+    document: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return document
+
+
+@pytest.mark.parametrize("model", ["gpt2", "next_token"])
+def test_a_language_model_without_labels_is_never_cheaper_than_its_real_loss(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    model: str,
+) -> None:
+    """The issue's case: token ids and no labels. The stand-in loss keeps what a cross-entropy
+    over the vocabulary keeps, so the size is at most the one the real loss allows (the sum of
+    means found a size whose real training step ran out of memory)."""
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["find", "--model", f"tinymodels:{model}", "--sample-shape", "128", "--dtype", "int64",
+            "--simulate", "24MiB"]
+    stand_in = _largest(args, capsys)["max_batch_size"]
+    real = _largest([*args, "--labels", "tokens"], capsys)["max_batch_size"]
+    assert 1 <= stand_in <= real
+
+
+def test_labels_tokens_trains_with_the_models_own_loss(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+    from torch import nn
+
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["find", "--model", "tinymodels:gpt2", "--sample-shape", "128", "--dtype", "int64",
+            "--simulate", "24MiB", "--labels", "tokens"]
+    found = _largest(args, capsys)["max_batch_size"]
+    import tinymodels  # type: ignore[import-not-found]
+
+    from autobatch.testing import SimulatedGPU
+
+    def fits(n: int) -> bool:
+        model = tinymodels.gpt2()
+        opt = torch.optim.AdamW(model.parameters())
+        tokens = torch.zeros(n, 128, dtype=torch.long)
+        try:
+            with SimulatedGPU("24MiB") as gpu:
+                gpu.adopt(model)
+                for _ in range(2):
+                    opt.zero_grad(set_to_none=True)
+                    model(input_ids=tokens, labels=tokens).loss.backward()
+                    opt.step()
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    assert fits(found)
+    assert not fits(found + 1)
+    assert isinstance(tinymodels.gpt2(), nn.Module)
+
+
+def test_a_loss_that_cannot_take_a_model_output_says_what_came_back(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["find", "--model", "tinymodels:gpt2", "--sample-shape", "16", "--dtype", "int64",
+            "--labels", "classes:10", "--simulate", "64MiB", "--no-cache"]
+    assert main(args) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "the model returned CausalLMOutputWithCrossAttentions" in line
+    assert "loss_fn=cross_entropy" in line
+    assert "output.logits" in line  # what to pass instead
+
+
+def test_labels_tokens_needs_token_ids(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    assert main(["find", *MLP[:2], "--sample-shape", "8", "--labels", "tokens"]) == 2
+    assert "--labels tokens needs token ids" in capsys.readouterr().err
