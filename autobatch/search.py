@@ -31,6 +31,7 @@ __all__ = [
     "SearchState",
     "Trial",
     "binding_points",
+    "extrapolate",
     "fit_linear",
     "recommend",
     "search",
@@ -723,6 +724,38 @@ def _float_least_squares(xs: Sequence[int], ys: Sequence[int]) -> tuple[float, f
     sxy = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys, strict=True))
     per_sample = sxy / sxx
     return y_mean - per_sample * x_mean, per_sample
+
+
+def extrapolate(
+    trials: Sequence[Trial], capacity_bytes: int, *, granularity_bytes: int = 512
+) -> tuple[int, LinearModel | None]:
+    """The largest size that the trials' parts (their lines, see :func:`binding_points`) put
+    surely within ``capacity_bytes``, and the line of the part that binds there: for sizes no
+    probe can run (a plan from small real steps). Surely: the pessimistic end of the spread
+    that :class:`ModelGuided` allows each measured peak (``granularity_bytes``, or the fit's
+    residual) over the extrapolation, so that rounding never makes the size too large.
+    ``(UNBOUNDED_MAX_SIZE, None)`` when no part grows with the size.
+
+    >>> parts = lambda n: (1_000_000 + 4_096 * n, 3_000_000 + 1_024 * n)
+    >>> trials = [Trial(n, True, max(parts(n)), parts=parts(n)) for n in (2, 8, 32)]
+    >>> extrapolate(trials, 9_000_000)[0]  # the first part's line reaches it at 1953.1
+    1936
+
+    Args:
+        trials: fitting trials with measured peaks (and parts or phases).
+        capacity_bytes: the budget the peaks must stay within.
+        granularity_bytes: how far a measured peak may be off (allocator rounding).
+    """
+    _check_int("capacity_bytes", capacity_bytes, minimum=1)
+    points, straight = _binding(trials, capacity_bytes)
+    if len({size for size, _ in points}) < 2:
+        raise ValueError("extrapolate needs fitting trials at two sizes or more, with peaks")
+    found = _fit(points, 8.0 * granularity_bytes)
+    if found is None:
+        return UNBOUNDED_MAX_SIZE, None
+    policy = ModelGuided(granularity_bytes=granularity_bytes)
+    exact, spread = policy._predict(replace(found, straight=straight), capacity_bytes)
+    return max(0, min(math.floor(exact - spread), UNBOUNDED_MAX_SIZE)), found.model
 
 
 def search(

@@ -80,6 +80,11 @@ MODELS = textwrap.dedent(
 
     def next_token():
         return NextToken()
+
+
+    def masked_tokens():
+        ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     """
 )
 MLP = ["--model", "tinymodels:mlp", "--sample-shape", "512", "--labels", "classes:10"]
@@ -549,3 +554,17 @@ def test_labels_tokens_needs_token_ids(
     monkeypatch.syspath_prepend(str(workdir))
     assert main(["find", *MLP[:2], "--sample-shape", "8", "--labels", "tokens"]) == 2
     assert "--labels tokens needs token ids" in capsys.readouterr().err
+
+
+def test_plan_of_a_hugging_face_model_with_an_attention_mask_warns_and_plans(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["plan", "--model", "tinymodels:gpt2", "--sample", "tinymodels:masked_tokens",
+            "--capacity", "32MiB", "--headroom", "0"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "warning: plan_max_batch cannot run the step on the meta device" in captured.err
+    assert "Tensor.item()" in captured.err
+    assert "predicted largest batch:" in captured.out
+    assert "planned from" in captured.out  # the note says how
