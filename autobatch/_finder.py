@@ -24,6 +24,7 @@ from autobatch._trial import (
     StepFn,
     TrialRecord,
     TrialRunner,
+    mark_batch_dynamic,
     per_operator_possible,
     prepared,
     prime_optimizer,
@@ -267,9 +268,16 @@ def search_batch_size(
                 "Pass max_batch= (e.g. len(dataset)), or test under autobatch.testing.SimulatedGPU",
                 stacklevel=user_stacklevel(),
             )
+        if work.measured_eager:
+            notes.append(
+                "compiled model measured eagerly: under the simulated GPU's accounting (a "
+                "dispatch mode) compiled code cannot run; the model stays compiled"
+            )
+        elif work.compiled:  # the compiled graph runs: one graph for every trial's size
+            make_batch = _dynamic_batches(make_batch)
         runner = TrialRunner(
             make_batch, work.step, work.memory, steps_per_trial=steps_per_trial,
-            cleanup=work.drop_gradients, per_operator=per_operator_possible(model),
+            cleanup=work.drop_gradients, per_operator=per_operator_possible(work.model),
         )
         if work.optimizer is not None:
             _prime(work.optimizer, model, min_batch, capacity, memory.name, sync)
@@ -329,6 +337,15 @@ def search_batch_size(
         result.max_batch_size, result.batch_size, headroom, len(result.trials),
     )
     return result
+
+
+def _dynamic_batches(make_batch: Callable[[int], Batch]) -> Callable[[int], Batch]:
+    """``make_batch`` with dimension 0 marked dynamic for ``torch.compile``."""
+
+    def make(n: int) -> Batch:
+        return mark_batch_dynamic(make_batch(n))
+
+    return make
 
 
 def _agreeing(runner: TrialRunner) -> Callable[[int], Outcome]:

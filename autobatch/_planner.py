@@ -44,9 +44,11 @@ from autobatch._trial import (
     LossFn,
     OptimizerLike,
     StepFn,
+    is_compiled,
     make_optimizer,
     make_step,
     prime_optimizer,
+    without_compiled,
 )
 from autobatch._units import format_bytes, parse_bytes
 from autobatch.search import (
@@ -433,6 +435,10 @@ class _MetaSetup:
                 f"({type(error).__name__}: {error}); use autobatch.find_max_batch, which runs "
                 "real steps, instead"
             ) from error
+        if is_compiled(self.model):  # the copy's compiled code must never meet the counting
+            self.model = without_compiled(self.model)[0]  # mode (it would stay eager for good)
+            self.notes.append("compiled model planned eagerly (the compiled graph's memory "
+                              "may differ)")
         self.optimizer = make_optimizer(optimizer if train else None, self.model)
         if self.optimizer is not None:
             self.notes += _optimizer_as_on(self.optimizer, device_type)

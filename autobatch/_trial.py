@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from autobatch import _batch
 from autobatch._accounting import storages
@@ -274,6 +274,8 @@ class Workload:
     optimizer: torch.optim.Optimizer | None
     step: Callable[[Batch], None]
     memory: PeakKeeping
+    compiled: bool = False  # the model has compiled parts
+    measured_eager: bool = False  # ... and the trials run their eager originals
 
     def drop_gradients(self) -> None:
         """Set every gradient to None: after a failed trial, and between trials."""
@@ -301,17 +303,32 @@ def prepared(
     made = make_optimizer(optimizer if train else None, model)
     _warn_uncounted(memory, model, made if made is optimizer else None)
     snapshot = Snapshot(model, made, tuple(x for x in (scaler,) if x is not None))
+    compiled = is_compiled(model)
+    under_mode = bool(_get_current_dispatch_mode_stack())
+    views = contextlib.ExitStack()
+    runs = views.enter_context(eager_view(model)) if compiled and under_mode else model
+    if compiled and under_mode:
+        warnings.warn(
+            "the model is compiled, but a dispatch mode is active (a SimulatedGPU's accounting), "
+            "under which compiled code cannot run: its trials run the eager model, whose memory "
+            "may differ from the compiled graph's; on the real device the compiled graph is "
+            "measured. The model stays compiled",
+            stacklevel=user_stacklevel(),
+        )
     work = Workload(
-        model,
+        runs,
         made,
-        make_step(model, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler),
+        make_step(runs, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler),
         PeakKeeping(memory),
+        compiled=compiled,
+        measured_eager=compiled and under_mode,
     )
     try:
         if not train:
             model.eval()
         yield work
     finally:
+        views.close()
         work.drop_gradients()
         snapshot.restore()
         memory.empty_cache()
@@ -467,6 +484,91 @@ class TrialRunner:
         if self.on_trial is not None:
             self.on_trial(record)
         return Outcome(fits=error is None, peak_bytes=peak, error=error, parts=parts, phases=phases)
+
+
+def _compiled_class() -> type | None:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a submodule is compiled (``torch.compile(module)`` or
+    ``module.compile()``)."""
+    optimized = _compiled_class()
+    return any(
+        (optimized is not None and isinstance(module, optimized))
+        or getattr(module, "_compiled_call_impl", None) is not None
+        for module in model.modules()
+    )
+
+
+def without_compiled(model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
+    """``(eager, undo)``: ``model`` with every compiled part swapped for its eager original (the
+    root itself too, when compiled), and the function that puts them back. Parameters are
+    shared, not copied."""
+    optimized = _compiled_class()
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    cleared: list[tuple[nn.Module, Any]] = []
+
+    def undo() -> None:
+        for module, name, child in reversed(swapped):
+            module._modules[name] = child
+        for module, impl in reversed(cleared):
+            module._compiled_call_impl = impl
+
+    root: Any = model
+    while optimized is not None and isinstance(root, optimized):
+        root = cast(Any, root)._orig_mod
+    try:
+        for module in list(root.modules()):
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                cleared.append((module, module._compiled_call_impl))
+                module._compiled_call_impl = None
+            for name, child in list(module._modules.items()):
+                original: Any = child
+                while optimized is not None and isinstance(original, optimized):
+                    original = cast(Any, original)._orig_mod
+                if original is not child and child is not None:
+                    swapped.append((module, name, child))
+                    module._modules[name] = original
+                    for inner in original.modules():
+                        if getattr(inner, "_compiled_call_impl", None) is not None:
+                            cleared.append((inner, inner._compiled_call_impl))
+                            inner._compiled_call_impl = None
+    except BaseException:
+        undo()
+        raise
+    return root, undo
+
+
+@contextlib.contextmanager
+def eager_view(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with every compiled part swapped for its eager original, put back after.
+
+    Compiled code cannot run under a ``TorchDispatchMode`` (a simulated GPU's accounting,
+    per-operator recording, the planner's counting): torch's compiler then not only runs it
+    eagerly, it marks the code to be skipped for good, so the user's compiled model would stay
+    eager for the rest of the process. Trials under such a mode run this eager view instead;
+    the compiled modules themselves never see the mode.
+    """
+    eager, undo = without_compiled(model)
+    try:
+        yield eager
+    finally:
+        undo()
+
+
+def mark_batch_dynamic(batch: Batch) -> Batch:
+    """Mark dimension 0 of every tensor of ``batch`` dynamic for ``torch.compile``, so a compiled
+    model is not compiled again for each trial's size (sizes 0 and 1 stay specialised)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    mark = getattr(dynamo, "maybe_mark_dynamic", None)
+    if mark is None:
+        return batch
+    for tensor in _batch.tensors(batch):
+        if tensor.dim() >= 1 and tensor.shape[0] >= 2:
+            mark(tensor, 0)
+    return batch
 
 
 def per_operator_possible(model: nn.Module) -> bool:

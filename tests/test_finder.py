@@ -662,3 +662,78 @@ def test_the_users_peak_statistic_survives_a_search() -> None:
         assert gpu.peak_bytes == theirs  # their logging reads their peak, not a trial's
         full = search_batch_size(model, (x, y), torch.optim.SGD, loss_fn=CE)
         assert gpu.peak_bytes >= max(theirs, *(t.peak_bytes or 0 for t in full.trials))
+
+
+class _CountingBackend:
+    """A torch.compile backend that runs the captured graph as is, counting compiles and runs."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        self.runs = 0
+
+    def __call__(self, graph: Any, example_inputs: Any) -> Any:
+        self.compiles += 1
+
+        def run(*args: Any) -> Any:
+            self.runs += 1
+            return graph.forward(*args)
+
+        return run
+
+
+def _still_compiled(compiled: nn.Module, backend: _CountingBackend, x: torch.Tensor) -> bool:
+    runs = backend.runs
+    compiled(x)
+    return backend.runs > runs
+
+
+def test_a_compiled_model_is_measured_eagerly_under_the_simulator_and_stays_compiled() -> None:
+    """Compiled code cannot run under the simulator's dispatch mode, and torch then marks it to
+    be skipped for good: the search runs the eager original (and says so), never the compiled
+    module, so afterwards the model still runs its compiled graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mlp(width=64, depth=2)
+    backend = _CountingBackend()
+    compiled = torch.compile(model, backend=backend)
+    x, y = WORKLOADS["mlp"].sample(4)
+    compiled(x)
+    with SimulatedGPU("4MiB") as gpu:
+        gpu.adopt(model)
+        with pytest.warns(UserWarning, match="compiled code cannot run"):
+            result = search_batch_size(compiled, (x, y), torch.optim.AdamW, loss_fn=CE)
+        plain = search_batch_size(model, (x, y), torch.optim.AdamW, loss_fn=CE)
+    assert any("compiled model measured eagerly" in note for note in result.notes)
+    assert result.max_batch_size == plain.max_batch_size
+    assert len(result.trials) <= 6  # per-operator peaks: the eager model's operators
+    assert _still_compiled(compiled, backend, x)
+    wrapper = nn.Sequential(torch.compile(mlp(width=64, depth=2), backend=backend))  # a part
+    wrapper(x)
+    assert _still_compiled(wrapper, backend, x)
+    with SimulatedGPU("4MiB") as gpu:
+        gpu.adopt(wrapper)
+        with pytest.warns(UserWarning, match="compiled code cannot run"):
+            search_batch_size(wrapper, (x, y), torch.optim.SGD, loss_fn=CE)
+    assert _still_compiled(wrapper, backend, x)
+
+
+def test_a_compiled_model_runs_compiled_in_trials_without_a_recompile_per_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a dispatch mode (a real device; here the plain CPU) the trials run the compiled
+    graph, and the batch dimension is marked dynamic: compiles stay bounded however many sizes,
+    also where torch would not make it dynamic by itself (one compile per size would reach the
+    recompile limit, after which the model runs eagerly for good)."""
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mlp(width=32, depth=2)
+    backend = _CountingBackend()
+    compiled = torch.compile(model, backend=backend)
+    x, y = WORKLOADS["mlp"].sample(4)
+    result = search_batch_size(compiled, (x, y), torch.optim.SGD, loss_fn=CE, max_batch=300)
+    assert len(result.trials) >= 8  # doubling to 300, many sizes
+    assert backend.runs >= len(result.trials)  # every trial ran the compiled graph
+    assert backend.compiles <= 3  # size 1 specialised, then one graph for every size
+    assert _still_compiled(compiled, backend, torch.randn(77, 128))
+    assert backend.compiles <= 3

@@ -464,3 +464,22 @@ def test_find_with_plan_warns_when_the_plan_falls_back_and_stays_exact() -> None
     assert seeded.max_batch_size == plain.max_batch_size
     assert len(seeded.trials) <= 3
     assert any("seeded by a plan" in note for note in seeded.notes)
+
+
+def test_a_compiled_model_is_planned_eagerly_and_stays_compiled() -> None:
+    from test_finder import _CountingBackend, _still_compiled
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mlp(width=64, depth=2)
+    backend = _CountingBackend()
+    compiled = torch.compile(model, backend=backend)
+    x, y = WORKLOADS["mlp"].sample(4)
+    compiled(x)
+    plan = plan_max_batch(compiled, (x, y), torch.optim.AdamW, "4MiB", loss_fn=CE,
+                          device_type="cpu")
+    eager = plan_max_batch(model, (x, y), torch.optim.AdamW, "4MiB", loss_fn=CE,
+                           device_type="cpu")
+    assert plan.max_batch_size == eager.max_batch_size
+    assert any("compiled model planned eagerly" in note for note in plan.notes)
+    assert _still_compiled(compiled, backend, x)
