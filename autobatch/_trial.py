@@ -11,6 +11,7 @@ import contextlib
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -450,6 +451,7 @@ class TrialRunner:
         self.on_trial = on_trial
         self.per_operator = per_operator
         self.records: list[TrialRecord] = []
+        self._storage_trials: list[Any] = []  # (size, base, events, peak, shape) of fits
 
     def _attempt(self, size: int, peaks: _StepPeaks) -> str | None:
         """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
@@ -470,11 +472,15 @@ class TrialRunner:
         start = time.perf_counter()
         error = self._attempt(size, peaks)
         seconds = time.perf_counter() - start
+        events = None if peaks.storages is None else list(peaks.storages.events)
         peak: int | None = None
         parts: tuple[int, ...] = ()
         phases: tuple[int, ...] = ()
+        curve: Callable[[int], int] | None = None
         if error is None and self.memory.has_statistics:
             peak, parts, phases = peaks.peak, peaks.parts(), peaks.phases()
+            if events is not None and peaks.storages is not None and peaks.storages.exact:
+                curve = self._storage_curve(size, peaks.base, events, peak)
         else:  # out of the except block: the failed attempt's tensors are gone
             self.cleanup()
             free_memory(self.memory.device)
@@ -483,7 +489,27 @@ class TrialRunner:
         logger.info("%s", record)
         if self.on_trial is not None:
             self.on_trial(record)
-        return Outcome(fits=error is None, peak_bytes=peak, error=error, parts=parts, phases=phases)
+        return Outcome(
+            fits=error is None, peak_bytes=peak, error=error, parts=parts, phases=phases,
+            curve=curve,
+        )
+
+    def _storage_curve(
+        self, size: int, base: int, events: list[tuple[int, int, int]], peak: int
+    ) -> Callable[[int], int] | None:
+        """The peak at any size from this trial's storages and an earlier trial's whose
+        operators created and freed them alike (see :func:`_curve`), with the allocator's
+        512-byte blocks, or whole bytes; ``None`` when neither gives both peaks exactly."""
+        shape = tuple((segment, serial, nbytes >= 0) for segment, serial, nbytes in events)
+        record = (size, base, events, peak)
+        earlier = [r for r in self._storage_trials if r[0] != size and r[4] == shape]
+        self._storage_trials = [*self._storage_trials[-3:], (*record, shape)]
+        for other in reversed(earlier):
+            for block in (512, 1):
+                curve = _curve([other[:4], record], block)
+                if curve is not None:
+                    return curve
+        return None
 
 
 def _compiled_class() -> type | None:
@@ -602,6 +628,8 @@ class _StepPeaks:
         self.memory = memory
         self.statistics = memory.has_statistics
         self.per_operator = per_operator and self.statistics
+        self.storages: _Storages | None = _Storages() if self.per_operator else None
+        self.base = 0
         self.operators: list[int] = []
         self.outside = 0
         self.inside: int | None = None
@@ -618,6 +646,8 @@ class _StepPeaks:
             memory.reset_peak()
         if self.per_operator:
             self.operators.append(peak)
+            if self.storages is not None:
+                self.storages.segment += 1
         if self._stepping:
             self.inside = peak if self.inside is None else max(self.inside, peak)
         elif peak > self.outside:
@@ -632,6 +662,7 @@ class _StepPeaks:
         self._stepping = False
 
     def __enter__(self) -> _StepPeaks:
+        self.base = self.memory.allocated_bytes() if self.statistics else 0
         if self.statistics:
             self._hooks = [
                 register_optimizer_step_pre_hook(self._before_step),
@@ -680,6 +711,7 @@ class _OperatorMode(TorchDispatchMode):
     def __init__(self, peaks: _StepPeaks) -> None:
         super().__init__()
         self.close = peaks.close_segment
+        self.storages = peaks.storages
 
     def __torch_dispatch__(
         self,
@@ -689,7 +721,121 @@ class _OperatorMode(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         self.close()
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.storages is not None:
+            self.storages.born(out, (args, kwargs))
+        return out
+
+
+class _Storages:
+    """Every storage a trial's operators create, in order: when each is born (its raw bytes)
+    and when it dies, by the segment (operator) it happens in. Two trials with the same events
+    give each storage's size as a line in the batch size, so the peak at any size is known to
+    the byte, the allocator's rounding of each storage included (see :func:`_curve`)."""
+
+    def __init__(self) -> None:
+        self.segment = 0
+        self.events: list[tuple[int, int, int]] = []  # (segment, serial, bytes; -1: died)
+        self.serials: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}  # serial -> bytes at birth
+        self.exact = True  # False once something happened that the events cannot replay
+
+    def born(self, out: Any, inputs: Any) -> None:
+        """Record the new storages among an operator's outputs (a view of an input, or of a
+        storage made before the trial, is none)."""
+        views: set[int] | None = None
+        stack = [out]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, (list, tuple)):
+                stack.extend(reversed(value))
+            elif isinstance(value, torch.Tensor):
+                if value.layout is not torch.strided or value.is_nested:
+                    continue
+                storage = value.untyped_storage()
+                key = int(storage._cdata)
+                nbytes = int(storage.nbytes())
+                serial = self.serials.get(key)
+                if serial is None:
+                    if views is None:
+                        views = _storage_keys(inputs)
+                    if key in views:
+                        continue
+                    serial = self.serials[key] = len(self.sizes)
+                    self.sizes[serial] = nbytes
+                    self.events.append((self.segment, serial, nbytes))
+                    weakref.finalize(storage, self._died, key, serial)
+                elif nbytes != self.sizes[serial]:
+                    self.exact = False  # a storage grew in place
+
+    def _died(self, key: int, serial: int) -> None:
+        if self.serials.get(key) == serial:
+            del self.serials[key]
+        self.events.append((self.segment, serial, -1))
+
+    def structure(self) -> tuple[tuple[int, int, bool], ...]:
+        return tuple((segment, serial, nbytes >= 0) for segment, serial, nbytes in self.events)
+
+
+def _storage_keys(values: Any) -> set[int]:
+    """The storages of every tensor among an operator's arguments."""
+    keys: set[int] = set()
+    stack = [values]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif (
+            isinstance(value, torch.Tensor)
+            and value.layout is torch.strided
+            and not value.is_nested
+        ):
+            keys.add(int(value.untyped_storage()._cdata))
+    return keys
+
+
+def _curve(
+    trials: list[tuple[int, int, list[tuple[int, int, int]], int]], block: int
+) -> Callable[[int], int] | None:
+    """The peak at any size from two trials' storage events (``(size, base, events, peak)``,
+    alike but for sizes): each storage's bytes are a line through its two sizes (``None`` when
+    one is not), every storage is rounded up to ``block``, and the peak is the highest the
+    running total reaches. ``None`` unless it gives both trials' measured peaks exactly."""
+    (n1, base1, events1, peak1), (n2, base2, events2, peak2) = trials[-2:]
+    if base1 != base2 or n1 == n2:
+        return None
+    lines: dict[int, tuple[int, int]] = {}
+    for (_, serial, a), (_, _, b) in zip(events1, events2, strict=True):
+        if a < 0:
+            continue
+        slope, rest = divmod(b - a, n2 - n1)
+        if rest:
+            return None  # not affine in the size: no storage-exact curve
+        lines[serial] = (slope, a - slope * n1)
+    order = [(serial, nbytes < 0) for _, serial, nbytes in events1]
+
+    def peak(n: int) -> int:
+        live: dict[int, int] = {}
+        total = highest = base1
+        for serial, died in order:
+            if died:
+                total -= live.pop(serial, 0)
+            else:
+                slope, offset = lines[serial]
+                raw = slope * n + offset
+                if raw < 0:
+                    raise ValueError(f"a storage would have {raw} bytes at size {n}")
+                size = -(-raw // block) * block
+                live[serial] = size
+                total += size
+                highest = max(highest, total)
+        return highest
+
+    if peak(n1) != peak1 or peak(n2) != peak2:
+        return None
+    return peak
 
 
 class _PhasePeaks(_StepPeaks):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Protocol
 
@@ -35,6 +35,7 @@ __all__ = [
     "fit_linear",
     "recommend",
     "search",
+    "trusted_curve",
 ]
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ class Outcome:
             maximum of their lines, which bends where another part starts to set the peak.
         phases: coarser parts (e.g. forward and backward, then the optimizer step), used when
             the trials' ``parts`` do not line up (a different number of them at another size).
+        curve: the probe's own prediction of the peak at any size, when it can make one (e.g.
+            from every storage's size and the allocator's rounding, which a line through the
+            peaks cannot follow where a sample adds less than a block). The search uses it
+            while it gives every measured peak exactly and every failed size above capacity.
     """
 
     fits: bool
@@ -80,6 +85,7 @@ class Outcome:
     error: str | None = None
     parts: tuple[int, ...] = ()
     phases: tuple[int, ...] = ()
+    curve: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fits, bool):
@@ -104,6 +110,7 @@ class Trial:
         error: the probe's short failure kind, if any.
         parts: the peaks of the step's parts, if the probe measured them.
         phases: the peaks of the step's phases, if the probe measured them.
+        curve: the probe's prediction of the peak at any size, if it made one.
     """
 
     size: int
@@ -112,6 +119,7 @@ class Trial:
     error: str | None = None
     parts: tuple[int, ...] = ()
     phases: tuple[int, ...] = ()
+    curve: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -430,6 +438,9 @@ class ModelGuided:
             if state.prior is not None:
                 return state.prior.largest_within(capacity)
             return self.first_size
+        curve = trusted_curve(state.trials, capacity)
+        if curve is not None:
+            return self._curve_size(state, curve, capacity)
         points, straight = _binding(state.trials, capacity)
         if not points:
             if state.largest_fit is None:  # only failures so far: get a measured point cheaply
@@ -441,6 +452,16 @@ class ModelGuided:
                 return self._second_size(state, points[-1], capacity)
             return self.fallback.next_size(state)
         return self._guided_size(state, fit, capacity)
+
+    def _curve_size(self, state: SearchState, curve: Callable[[int], int], capacity: int) -> int:
+        """Where the probe's own curve puts the largest fit: there, or the size above the
+        largest fit when that is it (to see the next one fail)."""
+        step = state.multiple_of
+        low = state.below()
+        upper = state.above()
+        cap = self._cap(state, UNBOUNDED_MAX_SIZE if upper is None else upper - step)
+        best = _largest_within(curve, capacity, low, cap, step)
+        return best if best > low else low + step
 
     def _fit(
         self, state: SearchState, points: list[tuple[int, int]], straight: bool = False
@@ -634,6 +655,60 @@ class _Bracket:
             self.fail = size
 
 
+def trusted_curve(
+    trials: Sequence[Trial], capacity_bytes: int | None
+) -> Callable[[int], int] | None:
+    """The latest curve a probe reported (see :class:`Outcome`), if it gives every fitting
+    trial's peak exactly and puts every failed size above ``capacity_bytes``; else ``None``.
+
+    >>> line = lambda n: 1000 + 512 * n
+    >>> trials = [Trial(2, True, line(2)), Trial(8, True, line(8), curve=line)]
+    >>> trusted_curve(trials, 10_000) is line, trusted_curve([*trials, Trial(17, False)], 10_000)
+    (True, None)
+    """
+    if capacity_bytes is None:
+        return None
+    curve = next((t.curve for t in reversed(trials) if t.curve is not None), None)
+    if curve is None:
+        return None
+    try:
+        for trial in trials:
+            if trial.fits and trial.peak_bytes is not None and curve(trial.size) != trial.peak_bytes:
+                return None
+            if not trial.fits and trial.error is not None and "size_limit" in trial.error:
+                continue  # not a matter of memory: the curve cannot say
+            if not trial.fits and curve(trial.size) <= capacity_bytes:
+                return None
+    except (ArithmeticError, ValueError):
+        return None
+    return curve
+
+
+def _largest_within(
+    curve: Callable[[int], int], capacity: int, low: int, high: int, step: int
+) -> int:
+    """The largest grid size in ``(low, high]`` whose ``curve`` is within ``capacity`` (``low``
+    when none is): galloping up from ``low``, then bisecting (the curve grows with the size)."""
+    lo, hi = low, None
+    gap = step
+    while lo + gap <= high:
+        if curve(lo + gap) <= capacity:
+            lo, gap = lo + gap, gap * 2
+        else:
+            hi = lo + gap
+            break
+    if hi is None:
+        hi = min(lo + gap, high + step)
+    while hi - lo > step:
+        middle = (lo + hi) // (2 * step) * step
+        middle = min(max(middle, lo + step), hi - step)
+        if curve(middle) <= capacity:
+            lo = middle
+        else:
+            hi = middle
+    return lo
+
+
 def binding_points(trials: Sequence[Trial], capacity_bytes: int | None) -> list[tuple[int, int]]:
     """``(size, peak)`` points of the fitting trials: of the part whose own line reaches
     ``capacity_bytes`` first when the trials measured their parts, else of the whole step.
@@ -776,8 +851,9 @@ def search(
     and the next grid size up was probed and failed (or is beyond ``max_size``). No size is probed
     twice or off the grid, and the same probe gives the same sequence of sizes.
 
-    Trials, with the default policy: with peak statistics on an affine curve (also one whose
-    first size bends, with 512-byte rounding) 4 or 5, one of them failing; also 4 or 5 on a
+    Trials, with the default policy: with a probe's own exact curve (see :class:`Outcome`)
+    4, one of them failing, however little a sample adds; with peak statistics on an affine
+    curve (also one whose first size bends, with 512-byte rounding) 4 or 5, one of them failing; also 4 or 5 on a
     bent curve whose straight parts the probe reports (each operator's peak, see
     :class:`Outcome`), with at most three times the answer's samples in all when each part
     grows by several 512-byte blocks per sample; without parts, about 9 when a constant (the
@@ -849,7 +925,7 @@ def search(
         trials.append(
             Trial(
                 size, outcome.fits, outcome.peak_bytes, outcome.error, outcome.parts,
-                outcome.phases,
+                outcome.phases, outcome.curve,
             )
         )
         bracket.record(size, outcome.fits)
@@ -984,7 +1060,7 @@ class _Settling:
             outcome = probe(size)
             self.trials.append(
                 Trial(size, outcome.fits, outcome.peak_bytes, outcome.error, outcome.parts,
-                      outcome.phases)
+                      outcome.phases, outcome.curve)
             )
             if not outcome.fits or (outcome.peak_bytes or 0) > self.target:
                 misses += 1

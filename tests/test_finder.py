@@ -737,3 +737,29 @@ def test_a_compiled_model_runs_compiled_in_trials_without_a_recompile_per_size(
     assert backend.compiles <= 3  # size 1 specialised, then one graph for every size
     assert _still_compiled(compiled, backend, torch.randn(77, 128))
     assert backend.compiles <= 3
+
+
+@pytest.mark.parametrize("target", [32, 100, 1000, 10_000, 100_000])
+def test_tiny_per_sample_models_are_exact_within_six_trials(target: int) -> None:
+    """An MLP 16-32-32-4 with AdamW adds ~500 bytes per sample: less than one 512-byte block,
+    so the peak is a staircase no line through it can follow (8 to 12 trials). Each storage's
+    size and rounding is modelled instead."""
+    torch.manual_seed(0)
+    model = mlp(width=32, depth=2, inputs=16, classes=4)
+    sample = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    with SimulatedGPU(2**50) as gpu:
+        gpu.adopt(model)
+        measured = search_batch_size(model, sample, torch.optim.AdamW, loss_fn=CE,
+                                     start=target, max_batch=target + 1)
+    low, high = (t.peak_bytes for t in measured.trials)
+    assert low is not None
+    assert high is not None
+    with SimulatedGPU((low + high) // 2) as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, sample, torch.optim.AdamW, loss_fn=CE, headroom=0)
+    fits = {t.size: t.fits for t in result.trials}
+    best = result.max_batch_size
+    assert fits[best]  # exact: B* ran,
+    assert not fits[best + 1]  # and B* + 1 ran out
+    assert best >= target
+    assert len(result.trials) <= 6, result

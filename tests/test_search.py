@@ -30,6 +30,7 @@ from autobatch.search import (
     fit_linear,
     recommend,
     search,
+    trusted_curve,
 )
 
 GIB = 2**30
@@ -805,3 +806,43 @@ def test_thousands_of_parts_are_cheap() -> None:
     points = binding_points(trials, 2**40)
     assert time.perf_counter() - started < 1.0  # ~20 ms: each distinct series, in floats
     assert [size for size, _ in points] == [2, 8, 300, 1000]
+
+
+# --- a probe's own curve ----------------------------------------------------------------------
+
+
+def _staircase(storages: list[tuple[int, int]], capacity: int, honest: bool = True) -> Callable[[int], Outcome]:
+    """A step whose peak is the sum of its storages, each rounded up to 512 bytes, that reports
+    its exact curve (or, ``honest=False``, one that is off by a block beyond size 50)."""
+
+    def peak(n: int) -> int:
+        return 100_000 + sum(rounded(a * n + b, 512) for a, b in storages)
+
+    def told(n: int) -> int:
+        return peak(n) - (512 if not honest and n > 50 else 0)
+
+    def probe(n: int) -> Outcome:
+        return Outcome(fits=peak(n) <= capacity, peak_bytes=peak(n), curve=told)
+
+    return probe
+
+
+@pytest.mark.parametrize("target", [37, 1000, 20_000, 300_000])
+def test_a_probes_exact_curve_ends_the_search_in_four_trials(target: int) -> None:
+    storages = [(64, 0), (128, 16), (16, 8), (8, 0), (128, 0)]  # 344 bytes per sample
+    per = lambda n: 100_000 + sum(rounded(a * n + b, 512) for a, b in storages)  # noqa: E731
+    capacity = (per(target) + per(target + 1)) // 2
+    outcome = search(_staircase(storages, capacity), capacity_bytes=capacity)
+    assert outcome.largest_fit is not None
+    assert per(outcome.largest_fit) <= capacity < per(outcome.largest_fit + 1)
+    assert len(outcome.trials) <= 4, outcome.sizes
+
+
+def test_a_curve_that_misses_a_measured_peak_is_not_trusted() -> None:
+    storages = [(64, 0), (128, 16), (16, 8)]
+    per = lambda n: 100_000 + sum(rounded(a * n + b, 512) for a, b in storages)  # noqa: E731
+    capacity = (per(1000) + per(1001)) // 2
+    outcome = search(_staircase(storages, capacity, honest=False), capacity_bytes=capacity)
+    assert outcome.largest_fit is not None
+    assert per(outcome.largest_fit) <= capacity < per(outcome.largest_fit + 1)  # still exact
+    assert trusted_curve(outcome.trials, capacity) is None

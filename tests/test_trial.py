@@ -154,3 +154,19 @@ def test_the_stand_in_loss_keeps_at_least_what_a_cross_entropy_keeps(
 
     assert peak(lambda out: loss_of(out, None, None)) >= peak(real)
     assert peak(lambda out: loss_of({"logits": out}, None, None)) >= peak(real)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_the_storage_curve_of_two_small_trials_gives_the_peak_at_any_size(name: str) -> None:
+    """Each storage's bytes are a line in the batch size and each is rounded to 512 bytes:
+    two small trials give the simulator's peak at any other size to the byte."""
+    torch.manual_seed(0)
+    model = WORKLOADS[name].model()
+    with SimulatedGPU(2**40) as gpu:
+        gpu.adopt(model)
+        runner, _ = _runner(model, name=name)
+        runner(2)
+        curve = runner(8).curve
+        assert curve is not None
+        for size in (3, 77, 300):
+            assert curve(size) == runner(size).peak_bytes
