@@ -717,26 +717,25 @@ def test_a_compiled_model_is_measured_eagerly_under_the_simulator_and_stays_comp
     assert _still_compiled(wrapper, backend, x)
 
 
-def test_a_compiled_model_runs_compiled_in_trials_without_a_recompile_per_size(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_compiled_model_runs_compiled_in_trials_without_a_recompile_per_size() -> None:
     """Without a dispatch mode (a real device; here the plain CPU) the trials run the compiled
     graph, and the batch dimension is marked dynamic: compiles stay bounded however many sizes,
     also where torch would not make it dynamic by itself (one compile per size would reach the
     recompile limit, after which the model runs eagerly for good)."""
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = mlp(width=32, depth=2)
     backend = _CountingBackend()
     compiled = torch.compile(model, backend=backend)
     x, y = WORKLOADS["mlp"].sample(4)
-    result = search_batch_size(compiled, (x, y), torch.optim.SGD, loss_fn=CE, max_batch=300)
-    assert len(result.trials) >= 8  # doubling to 300, many sizes
-    assert backend.runs >= len(result.trials)  # every trial ran the compiled graph
-    assert backend.compiles <= 3  # size 1 specialised, then one graph for every size
-    assert _still_compiled(compiled, backend, torch.randn(77, 128))
-    assert backend.compiles <= 3
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        result = search_batch_size(compiled, (x, y), torch.optim.SGD, loss_fn=CE, max_batch=300)
+        assert len(result.trials) >= 8  # doubling to 300, many sizes
+        assert backend.runs >= len(result.trials)  # every trial ran the compiled graph
+        assert backend.compiles <= 3  # size 1 specialised, then one graph for every size
+        assert _still_compiled(compiled, backend, torch.randn(77, 128))
+        assert backend.compiles <= 3
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("target", [32, 100, 1000, 10_000, 100_000])
