@@ -853,11 +853,11 @@ def search(
 
     Trials, with the default policy: with a probe's own exact curve (see :class:`Outcome`)
     4, one of them failing, however little a sample adds; with peak statistics on an affine
-    curve (also one whose first size bends, with 512-byte rounding) 4 or 5, one of them failing; also 4 or 5 on a
-    bent curve whose straight parts the probe reports (each operator's peak, see
-    :class:`Outcome`), with at most three times the answer's samples in all when each part
-    grows by several 512-byte blocks per sample; without parts, about 9 when a constant (the
-    optimizer step) sets the peak up to hundreds of samples; with an exact
+    curve (also one whose first size bends, with 512-byte rounding) 4 or 5, one of them
+    failing; also 4 or 5 on a bent curve whose straight parts the probe reports (each
+    operator's peak, see :class:`Outcome`), with at most three times the answer's samples in
+    all when each part grows by several 512-byte blocks per sample; without parts, about 9
+    when a constant (the optimizer step) sets the peak up to hundreds of samples; with an exact
     ``start`` or ``prior``, 2; without statistics at most ``2*floor(log2(answer)) + 2`` from
     ``min_size=1``. For any monotone probe, any ``start`` and any ``prior``: at most
     ``2*ceil(log2(R)) + 20``, where ``R`` is the number of grid sizes from ``min_size`` up to
