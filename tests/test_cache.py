@@ -482,14 +482,15 @@ _KEY_IN_A_PROCESS = textwrap.dedent(
 
 def test_keys_of_real_models_are_the_same_in_every_process() -> None:
     """Nothing that changes with the process (addresses, hashes of objects) enters the key."""
-    runs = [
-        subprocess.run([sys.executable, "-c", _KEY_IN_A_PROCESS], capture_output=True,
-                       text=True, timeout=120, cwd=ROOT)
+    processes = [  # two at once: each mostly waits for torch and transformers to import
+        subprocess.Popen([sys.executable, "-c", _KEY_IN_A_PROCESS], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
         for _ in range(2)
     ]
-    assert all(run.returncode == 0 for run in runs), runs[0].stderr
-    assert runs[0].stdout == runs[1].stdout
-    assert len(set(runs[0].stdout.split())) == 3
+    outputs = [process.communicate(timeout=180) for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs[0][1]
+    assert outputs[0][0] == outputs[1][0]
+    assert len(set(outputs[0][0].split())) == 3
 
 
 class _Opaque:

@@ -497,42 +497,44 @@ def test_a_language_model_without_labels_is_never_cheaper_than_its_real_loss(
     args = ["find", "--model", f"tinymodels:{model}", "--sample-shape", "128", "--dtype", "int64",
             "--simulate", "24MiB"]
     stand_in = _largest(args, capsys)["max_batch_size"]
+    if model == "gpt2":  # training at that size with the model's own loss fits
+        assert _gpt2_trains(stand_in, "24MiB")
     real = _largest([*args, "--labels", "tokens"], capsys)["max_batch_size"]
     assert 1 <= stand_in <= real
+
+
+def _gpt2_trains(n: int, capacity: str) -> bool:
+    """Do two AdamW steps of tinymodels.gpt2 on n rows of 128 tokens, with the model's own
+    loss (labels = the tokens), fit in a fresh simulated GPU of ``capacity``?"""
+    import tinymodels  # type: ignore[import-not-found]
+    import torch
+
+    from autobatch.testing import SimulatedGPU
+
+    model = tinymodels.gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    tokens = torch.zeros(n, 128, dtype=torch.long)
+    try:
+        with SimulatedGPU(capacity) as gpu:
+            gpu.adopt(model)
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                model(input_ids=tokens, labels=tokens).loss.backward()
+                opt.step()
+    except torch.OutOfMemoryError:
+        return False
+    return True
 
 
 def test_labels_tokens_trains_with_the_models_own_loss(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import torch
-    from torch import nn
-
     monkeypatch.syspath_prepend(str(workdir))
     args = ["find", "--model", "tinymodels:gpt2", "--sample-shape", "128", "--dtype", "int64",
             "--simulate", "24MiB", "--labels", "tokens"]
     found = _largest(args, capsys)["max_batch_size"]
-    import tinymodels  # type: ignore[import-not-found]
-
-    from autobatch.testing import SimulatedGPU
-
-    def fits(n: int) -> bool:
-        model = tinymodels.gpt2()
-        opt = torch.optim.AdamW(model.parameters())
-        tokens = torch.zeros(n, 128, dtype=torch.long)
-        try:
-            with SimulatedGPU("24MiB") as gpu:
-                gpu.adopt(model)
-                for _ in range(2):
-                    opt.zero_grad(set_to_none=True)
-                    model(input_ids=tokens, labels=tokens).loss.backward()
-                    opt.step()
-        except torch.OutOfMemoryError:
-            return False
-        return True
-
-    assert fits(found)
-    assert not fits(found + 1)
-    assert isinstance(tinymodels.gpt2(), nn.Module)
+    assert _gpt2_trains(found, "24MiB")
+    assert not _gpt2_trains(found + 1, "24MiB")
 
 
 def test_a_loss_that_cannot_take_a_model_output_says_what_came_back(
