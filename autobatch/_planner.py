@@ -35,7 +35,7 @@ from autobatch._accounting import (
     _storage_key,
     storages,
 )
-from autobatch._backends import restore_rng_states, save_rng_states
+from autobatch._backends import CpuMemory, restore_rng_states, save_rng_states
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import DEFAULT_HEADROOM, Sample, _check_options
 from autobatch._log import get_logger, user_stacklevel
@@ -946,6 +946,15 @@ def _plan_from_steps(
     step = multiple_of
     first = -(-min_batch // step) * step
     last = None if max_batch is None else max_batch // step * step
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    host = CpuMemory(torch.device("cpu")).free_bytes()
+    if 4 * weights > host // 2:  # the copy, its gradients and an optimizer's two moments
+        raise AutobatchError(
+            f"plan_max_batch cannot plan this step from real steps on a CPU copy ({why}): the "
+            f"copy with its gradients and optimizer state needs about "
+            f"{format_bytes(4 * weights)}, more than half of the {format_bytes(host)} of host "
+            "memory free; use autobatch.find_max_batch on the device instead"
+        )
     with _disable_current_modes():
         torch_rng, python_rng = save_rng_states(), random.getstate()
         try:

@@ -483,3 +483,17 @@ def test_a_compiled_model_is_planned_eagerly_and_stays_compiled() -> None:
     assert plan.max_batch_size == eager.max_batch_size
     assert any("compiled model planned eagerly" in note for note in plan.notes)
     assert _still_compiled(compiled, backend, x)
+
+
+def test_real_steps_are_refused_when_the_copy_would_crowd_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU copy of a model too large for this host's free memory is never made: the plan
+    says so and points at find_max_batch."""
+    from autobatch._backends import CpuMemory
+
+    monkeypatch.setattr(CpuMemory, "free_bytes", lambda self: 64 * 1024)
+    model = _Recurrent("LSTM", 1, True)
+    sample = (torch.randn(2, 8, 8), torch.randint(0, 4, (2,)))
+    with pytest.raises(AutobatchError, match=r"host memory free; use autobatch\.find_max_batch"):
+        plan_max_batch(model, sample, torch.optim.AdamW, "2MiB", loss_fn=CE)
