@@ -241,6 +241,7 @@ class _BackwardItem(nn.Module):
          "aten._local_scalar_dense.default"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:autobatch_planner_test")  # its op has no autograd kernel
 def test_step_that_cannot_run_on_meta_warns_naming_module_and_operator_then_measures(
     layer: nn.Module, where: str, op: str
 ) -> None:
