@@ -1,14 +1,17 @@
 """A persistent cache of search results, keyed by everything that decides the answer.
 
 A search is worth repeating only when something that changes its answer changed: the model's
-architecture (module types, parameter and buffer shapes, dtypes, which parameters train), the
+architecture (module types and settings: ``extra_repr``, every attribute that is not a parameter,
+buffer or child, hooks, train/eval, the code of ``forward`` for modules outside torch; parameter
+and buffer shapes, dtypes, which parameters train), the
 sample's per-row shapes and dtypes, the device (name and total memory), the torch and autobatch
 versions, the optimizer (its class and the hyper-parameters that change its state), the autocast
 dtype, training or inference, and the search options. :func:`fingerprint` hashes all of them;
 :class:`ResultCache` keeps one JSON file per key.
 
-The cache never breaks a run: a file that cannot be read or parsed is ignored with a warning
-(and treated as a miss), a file that cannot be written is skipped with a warning. Each file is
+A model that holds something whose description would change with the process is never cached.
+The cache never breaks a run: a file that cannot be read, parsed or validated (every field's
+type and range) is ignored with a warning (and treated as a miss), a file that cannot be written is skipped with a warning. Each file is
 written to a temporary file in the same directory and moved into place with ``os.replace``, so
 readers see either the old file or the new one, and concurrent writers never leave a torn file.
 """
@@ -16,14 +19,19 @@ readers see either the old file or the new one, and concurrent writers never lea
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
 import hashlib
 import json
 import math
 import os
 import random
+import re
 import tempfile
 import time
+import types
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +42,7 @@ from torch import nn
 
 from autobatch import _batch
 from autobatch._backends import DeviceMemory, restore_rng_states, save_rng_states
+from autobatch._log import user_stacklevel
 
 if TYPE_CHECKING:
     from autobatch._finder import SearchResult
@@ -74,10 +83,133 @@ def _qualname(obj: Any) -> str | None:
     return f"{module}.{name}"
 
 
+class UnstableKeyError(ValueError):
+    """The model holds something whose description would differ in another process (an object
+    known only by its address, a nesting too deep to follow): it cannot be keyed reliably."""
+
+
+#: ``nn.Module``'s own bookkeeping: parameters, buffers and children enter on their own, hooks
+#: separately; ``training`` stays (dropout and batch norm use memory only while training).
+_MODULE_BOOKKEEPING = frozenset(vars(nn.Module())) - {"training"}
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+)
+_ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+")
+_MAX_DEPTH = 8
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """A digest of what a function does: its bytecode, constants (nested code too) and names."""
+    parts: list[Any] = [code.co_code.hex(), list(code.co_names), list(code.co_varnames)]
+    for const in code.co_consts:
+        parts.append(_code_digest(const) if isinstance(const, types.CodeType) else repr(const))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+class _Describer:
+    """Canonical, JSON-ready descriptions of module settings, the same in every process."""
+
+    def __init__(self) -> None:
+        self.memo: dict[int, Any] = {}
+        self.keep: list[Any] = []  # described objects stay alive, so ids are not reused
+
+    def __call__(self, value: Any, depth: int = 0) -> Any:
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return repr(value)
+        if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return str(value)
+        if isinstance(value, enum.Enum):
+            return f"{_qualname(type(value))}.{value.name}"
+        if isinstance(value, torch.Tensor):  # plain tensor attributes: their shape and dtype
+            return ["tensor", list(value.shape), str(value.dtype), value.device.type]
+        if isinstance(value, nn.Module):  # children enter on their own; a reference by type
+            return ["module", _qualname(type(value))]
+        if isinstance(value, type):
+            return ["class", _qualname(value)]
+        if depth > _MAX_DEPTH:
+            raise UnstableKeyError(f"settings nested deeper than {_MAX_DEPTH} levels")
+        key = id(value)
+        if key in self.memo:
+            return self.memo[key]
+        self.memo[key] = ["cycle"]  # a reference back to an object being described
+        self.keep.append(value)
+        self.memo[key] = described = self._compound(value, depth + 1)
+        return described
+
+    def _compound(self, value: Any, depth: int) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [self(v, depth) for v in value]
+        if isinstance(value, (set, frozenset)):
+            return sorted((self(v, depth) for v in value), key=repr)
+        if isinstance(value, Mapping):
+            return sorted(([repr(k), self(v, depth)] for k, v in value.items()), key=repr)
+        if isinstance(value, functools.partial):
+            return ["partial", self(value.func, depth), self(value.args, depth),
+                    self(value.keywords, depth)]
+        if isinstance(value, types.MethodType):
+            return ["method", _qualname(type(value.__self__)), value.__func__.__name__]
+        if isinstance(value, types.FunctionType):
+            return ["function", _qualname(value), _code_digest(value.__code__)]
+        if callable(value) and hasattr(value, "__qualname__"):  # builtins, torch functions
+            return ["callable", _qualname(value)]
+        if isinstance(value, weakref.ReferenceType):
+            return ["weakref", self(value(), depth)]
+        if hasattr(value, "__dict__"):  # a configuration object (e.g. a Hugging Face config)
+            settings = {
+                name: setting for name, setting in vars(value).items()
+                if "hash" not in name  # Python's hashes of objects change with the process
+            }
+            return [_qualname(type(value)), self(settings, depth)]
+        text = repr(value)
+        if _ADDRESS.search(text):
+            raise UnstableKeyError(f"a {type(value).__name__} known only by its address")
+        return [_qualname(type(value)), text]
+
+
+def _module_settings(module: nn.Module, describe: _Describer) -> list[Any]:
+    """A module's configuration: its ``extra_repr``, every attribute that is not a parameter,
+    buffer or child (stride, heads, scale factors, flags such as gradient checkpointing), its
+    hooks, whether it is compiled, and, for classes outside torch, a digest of ``forward``'s
+    code."""
+    attributes = {
+        name: value for name, value in vars(module).items()
+        if name not in _MODULE_BOOKKEEPING
+    }
+    hooks = [
+        [name, [describe(hook) for hook in getattr(module, name, {}).values()]]
+        for name in _HOOK_DICTS
+        if getattr(module, name, None)
+    ]
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    own_code = (
+        _code_digest(code)
+        if isinstance(code, types.CodeType) and not type(module).__module__.startswith("torch.")
+        else None
+    )
+    return [
+        module.extra_repr(),
+        describe(attributes),
+        hooks,
+        getattr(module, "_compiled_call_impl", None) is not None,
+        own_code,
+    ]
+
+
 def _architecture(model: nn.Module) -> list[Any]:
-    """Module types in order, then each parameter and buffer: name, shape, dtype (and for
-    parameters, whether it trains). Values are not part of it: training does not change it."""
-    modules = [[name, _qualname(type(module))] for name, module in model.named_modules()]
+    """Module types and settings in order, then each parameter and buffer: name, shape, dtype
+    (and for parameters, whether it trains). Values are not part of it: training does not
+    change it.
+
+    Raises :class:`UnstableKeyError` when a module holds something that cannot be described
+    the same way in another process."""
+    describe = _Describer()
+    modules = [
+        [name, _qualname(type(module)), _module_settings(module, describe)]
+        for name, module in model.named_modules()
+    ]
     params = [
         [name, list(p.shape), str(p.dtype), bool(p.requires_grad)]
         for name, p in model.named_parameters()
@@ -192,6 +324,11 @@ def fingerprint(
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _no_constant(name: str) -> Any:
+    """``json.loads``' hook for ``NaN``/``Infinity``: no stored value may hold one."""
+    raise ValueError(f"{name} is not a value autobatch stores")
+
+
 class ResultCache:
     """Search results on disk: one JSON file per key, written atomically.
 
@@ -232,7 +369,7 @@ class ResultCache:
             )
             return None
         try:
-            entry = json.loads(data.decode("utf-8"))
+            entry = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
             if not isinstance(entry, dict) or entry.get("key") != key:
                 raise ValueError("not an autobatch cache entry for this key")
             if entry.get("format") != FORMAT:
@@ -240,9 +377,10 @@ class ResultCache:
             value = entry["value"]
             if not isinstance(value, dict):
                 raise ValueError("the stored value is not an object")
-        except (ValueError, KeyError) as error:
+        except (ValueError, KeyError, RecursionError) as error:  # RecursionError: nested
             warnings.warn(
-                f"autobatch cache: ignoring corrupt file {file} ({error}); measuring again",
+                f"autobatch cache: ignoring corrupt file {file} "
+                f"({type(error).__name__}: {str(error)[:200]}); measuring again",
                 stacklevel=2,
             )
             return None
@@ -252,7 +390,15 @@ class ResultCache:
         """Store ``value`` (JSON-serialisable) under ``key``, replacing any older entry."""
         file = self.file_for(key)
         entry = {"format": FORMAT, "key": key, "created": time.time(), "value": dict(value)}
-        text = json.dumps(entry, indent=1, sort_keys=True)
+        try:
+            text = json.dumps(entry, indent=1, sort_keys=True, allow_nan=False)
+        except ValueError as error:  # a NaN or infinity would be read back as damage
+            warnings.warn(
+                f"autobatch cache: cannot store the result for {key[:16]}... ({error}); "
+                "it is not cached",
+                stacklevel=2,
+            )
+            return
         temporary: str | None = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -383,45 +529,93 @@ def result_to_dict(result: SearchResult) -> dict[str, Any]:
     }
 
 
+def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """``data[name]``, which must be of ``kind`` (a bool is no int here)."""
+    if not isinstance(data, Mapping) or name not in data:
+        raise ValueError(f"no {name!r}")
+    value = data[name]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ValueError(f"{name!r} is {value!r}")
+    if not isinstance(value, kind):
+        raise ValueError(f"{name!r} is {type(value).__name__}, not {kind}")
+    return value
+
+
+def _count(data: Mapping[str, Any], name: str, *, minimum: int = 1) -> int:
+    value: int = _field(data, name, int)
+    if value < minimum:
+        raise ValueError(f"{name!r} is {value}, below {minimum}")
+    return value
+
+
+def _finite(data: Mapping[str, Any], name: str, *, low: float, high: float) -> float:
+    value = float(_field(data, name, (int, float)))
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name!r} is {value!r}, not in [{low}, {high}]")
+    return value
+
+
 def result_from_dict(data: Mapping[str, Any]) -> SearchResult:
     """The :class:`~autobatch.SearchResult` that :func:`result_to_dict` wrote.
 
-    Raises ``ValueError`` when ``data`` is not such a dict (a damaged cache entry).
+    Every field is checked (types, ranges, and that the recommended size is at most the
+    largest, which a fitting trial ran): ``ValueError`` when ``data`` is not such a dict (a
+    damaged or edited cache entry), never a result built from one.
     """
     from autobatch._finder import SearchResult
     from autobatch._trial import TrialRecord
     from autobatch.search import LinearModel
 
     try:
-        model = data["memory_model"]
-        return SearchResult(
-            batch_size=int(data["batch_size"]),
-            max_batch_size=int(data["max_batch_size"]),
-            trials=tuple(
+        trials = []
+        for trial in _field(data, "trials", list):
+            peak = _field(trial, "peak_bytes", (int, type(None)))
+            if peak is not None and peak < 0:
+                raise ValueError(f"a trial's peak is {peak}")
+            error = _field(trial, "error", (str, type(None)))
+            trials.append(
                 TrialRecord(
-                    size=int(t["size"]),
-                    fits=bool(t["fits"]),
-                    peak_bytes=None if t["peak_bytes"] is None else int(t["peak_bytes"]),
-                    seconds=float(t["seconds"]),
-                    error=t["error"],
+                    size=_count(trial, "size"),
+                    fits=_field(trial, "fits", bool),
+                    peak_bytes=peak,
+                    seconds=_finite(trial, "seconds", low=0.0, high=math.inf),
+                    error=error,
                 )
-                for t in data["trials"]
-            ),
-            memory_model=None if model is None else LinearModel(
-                fixed=float(model["fixed"]), per_sample=float(model["per_sample"])
-            ),
-            capacity_bytes=int(data["capacity_bytes"]),
-            device=str(data["device"]),
-            headroom=float(data["headroom"]),
-            train=bool(data["train"]),
-            optimizer_counted=bool(data["optimizer_counted"]),
-            smallest_failing=(
-                None if data["smallest_failing"] is None else int(data["smallest_failing"])
-            ),
-            notes=tuple(str(n) for n in data["notes"]),
+            )
+        batch_size = _count(data, "batch_size")
+        largest = _count(data, "max_batch_size")
+        failing = _field(data, "smallest_failing", (int, type(None)))
+        if batch_size > largest:
+            raise ValueError(f"batch_size {batch_size} is above max_batch_size {largest}")
+        if not any(t.fits and t.size == largest for t in trials):
+            raise ValueError(f"no fitting trial ran max_batch_size {largest}")
+        if failing is not None and failing <= largest:
+            raise ValueError(f"smallest_failing {failing} is not above {largest}")
+        stored_model = _field(data, "memory_model", (dict, type(None)))
+        model = None
+        if stored_model is not None:
+            model = LinearModel(
+                fixed=_finite(stored_model, "fixed", low=-math.inf, high=math.inf),
+                per_sample=_finite(stored_model, "per_sample", low=0.0, high=math.inf),
+            )
+        notes = _field(data, "notes", list)
+        if not all(isinstance(note, str) for note in notes):
+            raise ValueError("a note is not a string")
+        return SearchResult(
+            batch_size=batch_size,
+            max_batch_size=largest,
+            trials=tuple(trials),
+            memory_model=model,
+            capacity_bytes=_count(data, "capacity_bytes"),
+            device=_field(data, "device", str),
+            headroom=_finite(data, "headroom", low=0.0, high=0.999999),
+            train=_field(data, "train", bool),
+            optimizer_counted=_field(data, "optimizer_counted", bool),
+            smallest_failing=failing,
+            notes=tuple(notes),
         )
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"not a stored search result: {error!r}") from None
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as error:
+        raise ValueError(f"not a stored search result: {error}") from None
 
 
 def cached_search(
@@ -435,7 +629,17 @@ def cached_search(
     """
     if store is None:
         return run(), None
-    name = key()
+    try:
+        name = key()
+    except UnstableKeyError as error:
+        warnings.warn(
+            f"autobatch cache: the model cannot be fingerprinted reliably ({error}), so its "
+            "result is neither read from nor written to the cache; measuring",
+            stacklevel=user_stacklevel(),
+        )
+        result = run()
+        note = f"not cached: the model cannot be fingerprinted reliably ({error})"
+        return replace(result, notes=(*result.notes, note)), None
     file = store.file_for(name)
     stored = store.get(name)
     if stored is not None:

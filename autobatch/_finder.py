@@ -24,6 +24,7 @@ from autobatch._trial import (
     StepFn,
     TrialRecord,
     TrialRunner,
+    mark_batch_dynamic,
     per_operator_possible,
     prepared,
     prime_optimizer,
@@ -43,8 +44,9 @@ Sample = Batch | Callable[[int], Batch]
 class SearchResult:
     """What :func:`search_batch_size` found, and how.
 
-    ``batch_size`` is the recommended size (largest that leaves ``headroom`` of the capacity
-    free at its peak); ``max_batch_size`` the largest size that passed a trial. ``trials`` lists
+    ``batch_size`` is the recommended size (the largest whose measured peak leaves ``headroom``
+    of the capacity free; ``max_batch_size`` when ``headroom`` is 0); ``max_batch_size`` the
+    exact largest size that fits (it passed a trial, the next size up failed or is the cap). ``trials`` lists
     every trial in order; ``capacity_bytes`` the memory the search could use (the device's
     total, less what other processes hold); ``memory_model`` is the fitted
     ``peak(n) = fixed + per_sample * n``
@@ -183,7 +185,9 @@ def search_batch_size(
     sync_ranks: bool = True,
     cache: CacheOption = False,
 ) -> SearchResult:
-    """Search for the largest batch that fits, with real steps; returns the full record.
+    """Search for the largest batch that fits and the recommended one, with real steps; returns
+    the full record: ``batch_size`` (recommended, as :func:`find_max_batch` returns) and
+    ``max_batch_size`` (the exact largest that fits).
 
     Same arguments as :func:`find_max_batch`, which returns only ``result.batch_size``.
     ``start`` (a first size to try) and ``prior`` (a predicted memory model, e.g. a plan's)
@@ -264,14 +268,22 @@ def search_batch_size(
                 "Pass max_batch= (e.g. len(dataset)), or test under autobatch.testing.SimulatedGPU",
                 stacklevel=user_stacklevel(),
             )
+        if work.measured_eager:
+            notes.append(
+                "compiled model measured eagerly: under the simulated GPU's accounting (a "
+                "dispatch mode) compiled code cannot run; the model stays compiled"
+            )
+        elif work.compiled:  # the compiled graph runs: one graph for every trial's size
+            make_batch = _dynamic_batches(make_batch)
         runner = TrialRunner(
-            make_batch, work.step, memory, steps_per_trial=steps_per_trial,
-            cleanup=work.drop_gradients, per_operator=per_operator_possible(model),
+            make_batch, work.step, work.memory, steps_per_trial=steps_per_trial,
+            cleanup=work.drop_gradients, per_operator=per_operator_possible(work.model),
         )
         if work.optimizer is not None:
             _prime(work.optimizer, model, min_batch, capacity, memory.name, sync)
+        probe = _agreeing(runner) if sync else runner
         outcome = search(
-            _agreeing(runner) if sync else runner,
+            probe,
             min_size=min_batch,
             max_size=max_batch,
             multiple_of=multiple_of,
@@ -279,15 +291,29 @@ def search_batch_size(
             start=start,
             prior=prior,
         )
-    if outcome.largest_fit is None:
-        raise _nothing_fits(runner.records, min_batch, budget, memory.name, outcome.model)
-    recommended = recommend(
-        outcome,
-        capacity_bytes=budget if memory.has_statistics else None,
-        headroom=headroom,
-        multiple_of=multiple_of,
-        min_size=min_batch,
-    )
+        if outcome.largest_fit is None:
+            raise _nothing_fits(runner.records, min_batch, budget, memory.name, outcome.model)
+        # With headroom, the recommended size's own peak is measured (one more trial, below the
+        # largest): a prediction may be off by the allocator's rounding, or bend.
+        recommended = recommend(
+            outcome,
+            capacity_bytes=budget if memory.has_statistics else None,
+            headroom=headroom,
+            multiple_of=multiple_of,
+            min_size=min_batch,
+            probe=probe,
+        )
+    if headroom and memory.has_statistics:
+        measured = [t.peak_bytes for t in runner.records if t.size == recommended and t.fits]
+        ceiling = math.floor((1 - headroom) * budget)
+        if measured and measured[-1] is not None and measured[-1] > ceiling:
+            text = (
+                f"even batch {recommended} peaks at {format_bytes(measured[-1])}, more than the "
+                f"{format_bytes(ceiling)} that headroom={headroom:g} leaves of "
+                f"{format_bytes(budget)}"
+            )
+            warnings.warn(text, stacklevel=user_stacklevel())
+            notes.append(text)
     if not memory.has_statistics and headroom:
         notes.append(
             f"{memory.name} keeps no memory statistics: headroom applied to the batch size "
@@ -311,6 +337,15 @@ def search_batch_size(
         result.max_batch_size, result.batch_size, headroom, len(result.trials),
     )
     return result
+
+
+def _dynamic_batches(make_batch: Callable[[int], Batch]) -> Callable[[int], Batch]:
+    """``make_batch`` with dimension 0 marked dynamic for ``torch.compile``."""
+
+    def make(n: int) -> Batch:
+        return mark_batch_dynamic(make_batch(n))
+
+    return make
 
 
 def _agreeing(runner: TrialRunner) -> Callable[[int], Outcome]:
@@ -425,11 +460,16 @@ def find_max_batch(
     optimizer: OptimizerLike = None,
     **options: Any,
 ) -> int:
-    """The largest batch size that fits, found with real training steps on the device.
+    """The recommended batch size: the largest whose measured peak leaves ``headroom`` of the
+    device free (5% by default), found with real training steps; ``headroom=0`` returns the exact
+    largest batch that fits.
 
     Runs zero_grad, forward, loss, backward and optimizer step at the sizes a memory-model-guided
-    search chooses, catches out-of-memory errors, frees memory and goes on; afterwards the model,
-    optimizer, RNG streams and device memory are exactly as before.
+    search chooses, catches out-of-memory errors, frees memory and goes on: the largest size that
+    fits is exact (it ran, the next size up ran out of memory or is ``max_batch``), and with
+    headroom the returned size's own peak was measured within ``(1 - headroom)`` of the memory
+    (a warning when even ``min_batch`` is above it). ``search_batch_size`` returns both sizes.
+    Afterwards the model, optimizer, RNG streams and device memory are exactly as before.
 
     >>> import torch
     >>> from autobatch.testing import SimulatedGPU
@@ -452,8 +492,9 @@ def find_max_batch(
         temporary one is used), or None (forward and backward only).
     loss_fn:
         ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)`` otherwise.
-        Default: a scalar output, ``output.loss`` / ``output["loss"]``, else the sum of the
-        means of the floating-point outputs.
+        Default: a scalar output, ``output.loss`` / ``output["loss"]`` (a Hugging Face model
+        given ``labels``), else a stand-in that keeps as much for backward as a training loss:
+        a cross-entropy over the last dimension of each floating-point output.
     step_fn:
         ``step_fn(model, batch)``: your whole step (AMP and GradScaler, clipping, several
         forwards), run instead of the default one.
@@ -464,8 +505,9 @@ def find_max_batch(
     min_batch, max_batch, multiple_of:
         The sizes allowed (e.g. ``max_batch=len(dataset)``, ``multiple_of=8`` for tensor cores).
     headroom:
-        Fraction of the capacity the recommended size leaves free at its peak; 0 returns the
-        exact largest size that fits.
+        Fraction of the capacity the returned size leaves free at its measured peak (one more
+        trial measures it); 0 returns the exact largest size that fits. Devices without memory
+        statistics (MPS, the CPU) scale the largest size instead, and say so in the notes.
     steps_per_trial:
         Steps run at each size (several catch memory that grows over steps).
     scaler:

@@ -24,11 +24,15 @@ def get_logger(name: str) -> logging.Logger:
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning point at the first frame outside autobatch."""
+    """The ``stacklevel`` that makes a warning point at the first frame outside autobatch (and
+    the ``contextlib`` frames of its context managers)."""
     frame = inspect.currentframe()
     frame = None if frame is None else frame.f_back  # the function that calls warnings.warn
     level = 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("autobatch."):
+    while frame is not None and (
+        frame.f_globals.get("__name__", "").startswith("autobatch.")
+        or frame.f_globals.get("__name__") == "contextlib"  # autobatch's own context managers
+    ):
         frame = frame.f_back
         level += 1
     return level

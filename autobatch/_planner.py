@@ -14,7 +14,9 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import random
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,20 +35,33 @@ from autobatch._accounting import (
     _storage_key,
     storages,
 )
+from autobatch._backends import CpuMemory, restore_rng_states, save_rng_states
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import DEFAULT_HEADROOM, Sample, _check_options
-from autobatch._log import get_logger
+from autobatch._log import get_logger, user_stacklevel
 from autobatch._trial import (
     Batch,
     LossFn,
     OptimizerLike,
     StepFn,
+    is_compiled,
     make_optimizer,
     make_step,
     prime_optimizer,
+    without_compiled,
 )
 from autobatch._units import format_bytes, parse_bytes
-from autobatch.search import LinearModel, Outcome, fit_linear, recommend, search
+from autobatch.search import (
+    UNBOUNDED_MAX_SIZE,
+    LinearModel,
+    Outcome,
+    SearchOutcome,
+    Trial,
+    extrapolate,
+    fit_linear,
+    recommend,
+    search,
+)
 
 logger = get_logger("planner")
 
@@ -120,6 +135,9 @@ class Plan:
     every ``(size, planned peak bytes)`` computed; ``memory_model`` is the line through the points
     at about half the largest size and at the largest size (``None`` when memory does not grow).
     ``breakdown`` splits the peak at ``max_batch_size``; ``seconds`` is the planning time.
+    ``method`` is ``"meta"`` (the step run on the meta device at the sizes planned) or
+    ``"steps"`` (small real steps on a CPU copy, extrapolated per operator: for steps that
+    cannot run on ``meta``, such as attention masks read with ``.item()``, and recurrent layers).
     """
 
     batch_size: int
@@ -133,6 +151,7 @@ class Plan:
     headroom: float
     device_type: str
     notes: tuple[str, ...] = field(default=())
+    method: str = "meta"
 
     def __repr__(self) -> str:
         lines = [
@@ -202,12 +221,25 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
     """The plan's counting mode: it also remembers the operator running (and the backward node),
     and refuses operators on real data, so the step can never read or change a real tensor."""
 
-    def __init__(self, ledger: StorageLedger) -> None:
+    def __init__(self, ledger: StorageLedger, *, real: bool = False) -> None:
         super().__init__(ledger)
         self.op: Any = None
         self.failed_op: Any = None
         self.node: str | None = None
         self.attention = False
+        self.real = real  # real CPU copies: tensors of the copies and of the step only
+        self.segments: list[int] | None = None  # per-operator peaks, while recorded
+        self.foreign = False  # the step used a tensor from outside the planner's copies
+        self.known: set[int] = set()  # storages of the copies the ledger does not count
+
+    def _foreign(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` comes from outside the copies (the user's own model, say)."""
+        if not self.real:
+            return tensor.device.type != "meta"
+        if tensor.layout is not torch.strided or tensor.is_nested:
+            return False
+        storage = tensor.untyped_storage()
+        return storage not in self.ledger and _storage_key(storage) not in self.known
 
     def __torch_dispatch__(
         self,
@@ -221,14 +253,18 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
         self.node = None if node is None else node.name()
         if func in _ATTENTION_OPS:
             self.attention = True
+        if self.segments is not None:  # a new operator: the segment before it ends
+            self.segments.append(self.ledger.peak_bytes)
+            self.ledger.reset_peak()
         if func not in _COPIES_REAL:
             for value in tree_flatten((args, kwargs))[0]:
                 if (
                     isinstance(value, torch.Tensor)
-                    and value.device.type != "meta"
                     and (value.numel() > 1 or value.requires_grad)
+                    and self._foreign(value)
                 ):
                     self.failed_op = func
+                    self.foreign = True
                     grad = ", requires grad" if value.requires_grad else ""
                     raise RuntimeError(
                         f"it was given a real tensor ({value.device}, shape "
@@ -241,6 +277,10 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
         except BaseException:
             self.failed_op = func
             raise
+
+
+class _StepError(AutobatchError):
+    """The planned step cannot run on the planner's copies."""
 
 
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,6 +317,40 @@ def _meta_memo(objects: Iterable[Any]) -> dict[int, Any]:
                     if isinstance(value, torch.Tensor) and id(value) not in memo:
                         host_scalar = value.dim() == 0 and value.device.type == "cpu"
                         memo[id(value)] = value.clone() if host_scalar else _meta_like(value)
+    return memo
+
+
+def _real_memo(objects: Iterable[Any]) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo that copies every tensor of the modules and optimizers to the
+    CPU (same values, dtype and ``requires_grad``): the planner's real copies, for steps that
+    cannot run on ``meta``."""
+    memo: dict[int, Any] = {}
+
+    def put(tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in memo:
+            if tensor.device.type == "meta":
+                raise AutobatchError(
+                    "the model is on the meta device: it has no values for the real steps the "
+                    "planner needs here"
+                )
+            copied = tensor.detach().to("cpu", copy=True)
+            if isinstance(tensor, nn.Parameter):
+                memo[id(tensor)] = nn.Parameter(copied, requires_grad=tensor.requires_grad)
+            else:
+                memo[id(tensor)] = copied.requires_grad_(tensor.requires_grad)
+
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            for module in obj.modules():
+                for value in tree_flatten(list(vars(module).values()))[0]:
+                    put(value)
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                for param in group["params"]:
+                    put(param)
+            for state in obj.state.values():
+                for value in tree_flatten(state)[0]:
+                    put(value)
     return memo
 
 
@@ -342,10 +416,13 @@ class _MetaSetup:
         train: bool,
         device_type: str,
         block_bytes: int,
+        real: bool = False,
     ) -> None:
         self.notes: list[str] = []
+        self.real = real
+        self.sample = sample
         originals = [model, loss_fn, optimizer if train else None]
-        memo = _meta_memo(x for x in originals if x is not None)
+        memo = (_real_memo if real else _meta_memo)(x for x in originals if x is not None)
         try:
             self.model: nn.Module = copy.deepcopy(model, memo)
             if isinstance(loss_fn, nn.Module):
@@ -358,14 +435,21 @@ class _MetaSetup:
                 f"({type(error).__name__}: {error}); use autobatch.find_max_batch, which runs "
                 "real steps, instead"
             ) from error
+        if is_compiled(self.model):  # the copy's compiled code must never meet the counting
+            self.model = without_compiled(self.model)[0]  # mode (it would stay eager for good)
+            self.notes.append("compiled model planned eagerly (the compiled graph's memory "
+                              "may differ)")
         self.optimizer = make_optimizer(optimizer if train else None, self.model)
         if self.optimizer is not None:
             self.notes += _optimizer_as_on(self.optimizer, device_type)
             self.optimizer.register_step_pre_hook(self._optimizer_starts)
             self.optimizer.register_step_post_hook(self._optimizer_ends)
-        self.template, note = _template(sample)
-        if note is not None:
-            self.notes.append(note)
+        if real:
+            self.template = None
+        else:
+            self.template, note = _template(sample)
+            if note is not None:
+                self.notes.append(note)
         self.modules: list[str] = []  # the modules whose forward is running, innermost last
         self.in_optimizer = False
         for name, module in self.model.named_modules():
@@ -378,8 +462,12 @@ class _MetaSetup:
         self.step = make_step(
             self.model, self.optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train
         )
-        self.ledger = _PlanLedger(block_bytes, frozenset({"meta", device_type}))
-        self.mode = _PlanMode(self.ledger)
+        self.ledger = _PlanLedger(block_bytes, frozenset({"cpu"} if real else {"meta", device_type}))
+        self.mode = _PlanMode(self.ledger, real=real)
+        self.mode.known = {
+            _storage_key(copied.untyped_storage()) for copied in memo.values()
+            if isinstance(copied, torch.Tensor) and copied.layout is torch.strided
+        }
         with self._running("while creating the optimizer state"):
             held = [self.model] if self.optimizer is None else [self.model, self.optimizer]
             for storage in storages(held):
@@ -406,11 +494,14 @@ class _MetaSetup:
         self.modules.clear()
         self.in_optimizer = False
         self.mode.op = self.mode.failed_op = self.mode.node = None
+        self.mode.foreign = False
         try:
             with self.mode:
                 yield
         except Exception as error:
-            raise AutobatchError(self._explain(error, doing)) from error
+            if self.mode.foreign:  # not the planner's limit: the step would touch real data
+                raise AutobatchError(self._explain(error, doing)) from error
+            raise _StepError(self._explain(error, doing)) from error
 
     def _explain(self, error: Exception, doing: str) -> str:
         if self.modules:
@@ -429,6 +520,11 @@ class _MetaSetup:
             op = "Python code failed before any operator"
         text = str(error).strip().splitlines()
         message = f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+        if self.real and not self.mode.foreign:
+            return (
+                f"plan_max_batch cannot run the step on a CPU copy of the model {doing}: "
+                f"{where}, {op} ({message})"
+            )
         return (
             f"plan_max_batch cannot run the step on the meta device {doing}: {where}, {op} "
             f"({message}). The planner runs shapes without data, so it cannot plan operators "
@@ -458,9 +554,36 @@ class _MetaSetup:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
+    def _batch(self, n: int) -> Batch:
+        """A batch of ``n`` rows: meta tensors shaped like the sample's, or, on the real copies,
+        the sample's rows cycled (``sample(n)`` for a callable), on the CPU."""
+        if not self.real:
+            return _grow(self.template, n)
+        sample = self.sample
+        if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
+            made = sample(n)
+            if _batch.batch_size(made) != n:
+                raise ValueError(f"sample({n}) returned a batch of another size")
+            return _batch.move_batch(made, "cpu")
+        return _batch.move_batch(_batch.resize_batch(sample, n), "cpu")
+
+    def parts(self, n: int) -> Outcome:
+        """One step at ``n`` with the peak of every operator's segment (see
+        :class:`~autobatch.search.Outcome`'s ``parts``)."""
+        batch = self._batch(n)
+        self.mode.segments = segments = []
+        try:
+            peak = self._run(batch, n)
+            segments.append(self.ledger.peak_bytes)
+        finally:
+            self.mode.segments = None
+            del batch
+            self._drop_gradients()
+        return Outcome(fits=True, peak_bytes=max(peak, *segments), parts=tuple(segments))
+
     def peak(self, n: int) -> int:
         """The planned peak bytes of one step at batch size ``n``."""
-        batch = _grow(self.template, n)
+        batch = self._batch(n)
         try:
             return self._run(batch, n)
         finally:
@@ -469,7 +592,7 @@ class _MetaSetup:
 
     def breakdown(self, n: int) -> PlanBreakdown:
         """One step at batch size ``n``, its peak split by what holds the bytes."""
-        batch = _grow(self.template, n)
+        batch = self._batch(n)
         try:
             peak = self._run(batch, n, record=True)
             seen: set[int] = set()
@@ -594,8 +717,16 @@ def plan_max_batch(
     BatchSizeError:
         Even ``min_batch`` does not fit (with the planned bytes and the capacity).
     AutobatchError:
-        The step cannot run on ``meta`` (``.item()``, data-dependent shapes, ops without a meta
-        kernel); the message names the module and the operator.
+        The step uses a tensor from outside the copies (a ``step_fn`` or ``loss_fn`` that
+        reaches for the real model), or fails on the CPU copy too.
+
+    Warns
+    -----
+    UserWarning:
+        The step cannot run on ``meta`` (``.item()``, e.g. on a Hugging Face attention mask,
+        data-dependent shapes, ops without a meta kernel): the message names the module and the
+        operator, and the plan comes from small real steps on a CPU copy (``method="steps"``),
+        as it always does for recurrent layers.
     """
     _check_options(min_batch, max_batch, multiple_of, headroom, 1)
     if not isinstance(model, nn.Module):
@@ -610,6 +741,59 @@ def plan_max_batch(
             f"overhead={overhead!r} ({format_bytes(overhead_bytes)}) leaves nothing of "
             f"capacity={capacity!r} ({format_bytes(capacity_bytes)}); lower the overhead"
         )
+    started = time.perf_counter()
+    steps: dict[str, Any] = {
+        "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "device_type": device_type,
+        "block_bytes": block_bytes,
+    }
+    grid: dict[str, Any] = {
+        "min_batch": min_batch, "max_batch": max_batch, "multiple_of": multiple_of,
+    }
+    sizes: dict[str, Any] = {
+        "capacity_bytes": capacity_bytes, "overhead_bytes": overhead_bytes, "headroom": headroom,
+    }
+    recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if recurrent:  # their kernels on the CPU or GPU keep workspaces a meta run does not see
+        why = (
+            f"recurrent layers ({', '.join(recurrent)}) keep workspaces that their meta kernels "
+            "do not allocate"
+        )
+    else:
+        try:
+            return _plan_on_meta(model, sample, optimizer, started=started, **steps, **grid,
+                                 **sizes)
+        except _StepError as error:
+            why = str(error).split(". The planner runs shapes")[0]
+            warnings.warn(
+                f"{why}. Planning from two or three small real steps on a CPU copy instead, "
+                "extrapolated per operator (seconds, and as exact as the simulator where the "
+                "step's operators do not change with the size)",
+                stacklevel=user_stacklevel(),
+            )
+    return _plan_from_steps(model, sample, optimizer, why=why, started=started, **steps, **grid,
+                            **sizes)
+
+
+def _plan_on_meta(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike,
+    *,
+    started: float,
+    loss_fn: LossFn | None,
+    step_fn: StepFn | None,
+    train: bool,
+    device_type: str,
+    block_bytes: int,
+    min_batch: int,
+    max_batch: int | None,
+    multiple_of: int,
+    capacity_bytes: int,
+    overhead_bytes: int,
+    headroom: float,
+) -> Plan:
+    """The plan from steps on the meta device, at the sizes the search engine asks for."""
+    budget = capacity_bytes - overhead_bytes
     started = time.perf_counter()
     with _disable_current_modes():  # a simulator or fake mode around us must not see the copies
         setup = _MetaSetup(
@@ -658,17 +842,17 @@ def plan_max_batch(
             probe(half)
         memory_model = None if top is None else fit_linear([(half, peaks[half]), (top, peaks[top])])
         breakdown = setup.breakdown(largest)
-    whole = (
-        None if memory_model is None
-        else LinearModel(memory_model.fixed + overhead_bytes, memory_model.per_sample)
-    )
-    batch_size = recommend(
-        dataclasses.replace(outcome, model=whole),
-        capacity_bytes=capacity_bytes,
-        headroom=headroom,
-        multiple_of=multiple_of,
-        min_size=min_batch,
-    )
+        # Planned like a search's trials: every part of the curve within (1 - headroom) of the
+        # capacity, the size's own planned peak checked.
+        batch_size = recommend(
+            outcome,
+            capacity_bytes=capacity_bytes,
+            headroom=headroom,
+            multiple_of=multiple_of,
+            min_size=min_batch,
+            probe=probe,
+            reserved_bytes=overhead_bytes,
+        )
     notes = list(setup.notes)
     if train and setup.optimizer is None and step_fn is None:
         notes.append("no optimizer given: forward and backward only, optimizer state not counted")
@@ -694,6 +878,184 @@ def plan_max_batch(
     )
     logger.info(
         "planned largest batch %d, recommended %d, in %.2f s",
+        plan.max_batch_size, plan.batch_size, plan.seconds,
+    )
+    return plan
+
+
+
+#: The real steps of a plan from steps stay below this much host memory each.
+_HOST_STEP_BYTES = 256 * 2**20
+
+
+def _extrapolated(
+    measure: Any, trials: list[Trial], budget: int, first: int, last: int | None, step: int,
+    block_bytes: int,
+) -> tuple[int, LinearModel | None]:
+    """The largest size within ``budget`` from steps too large to run here: two small real
+    steps, then up to two more halfway to the answer while a step stays cheap on this host,
+    every operator's peak extrapolated on its own line (the more cautious of the lines through
+    all the points and through the last two)."""
+    small = max(first, -(-2 // step) * step)
+    for n in (small, 4 * small):
+        if last is None or n <= last:
+            measure(n)
+    if len(trials) < 2:
+        measure(first)
+        return (first if trials[0].fits else 0), None
+    largest, line = extrapolate(trials, budget, granularity_bytes=block_bytes)
+    for _ in range(2):
+        if line is None:
+            break
+        affordable = line.largest_within(line.predict(0) + _HOST_STEP_BYTES)
+        farther = min(largest // 2, affordable, UNBOUNDED_MAX_SIZE) // step * step
+        if last is not None:
+            farther = min(farther, last)
+        if farther < 2 * max(t.size for t in trials):
+            break
+        measure(farther)
+        largest, line = extrapolate(trials, budget, granularity_bytes=block_bytes)
+    if len(trials) > 2:
+        recent, _ = extrapolate(trials[-2:], budget, granularity_bytes=block_bytes)
+        largest = min(largest, recent)
+    return largest, line
+
+
+def _plan_from_steps(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike,
+    *,
+    why: str,
+    started: float,
+    loss_fn: LossFn | None,
+    step_fn: StepFn | None,
+    train: bool,
+    device_type: str,
+    block_bytes: int,
+    min_batch: int,
+    max_batch: int | None,
+    multiple_of: int,
+    capacity_bytes: int,
+    overhead_bytes: int,
+    headroom: float,
+) -> Plan:
+    """The plan from two or three small real steps on CPU copies of the model and optimizer,
+    counted with the same accounting, each operator's peak extrapolated on its own line."""
+    budget = capacity_bytes - overhead_bytes
+    step = multiple_of
+    first = -(-min_batch // step) * step
+    last = None if max_batch is None else max_batch // step * step
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    host = CpuMemory(torch.device("cpu")).free_bytes()
+    if 4 * weights > host // 2:  # the copy, its gradients and an optimizer's two moments
+        raise AutobatchError(
+            f"plan_max_batch cannot plan this step from real steps on a CPU copy ({why}): the "
+            f"copy with its gradients and optimizer state needs about "
+            f"{format_bytes(4 * weights)}, more than half of the {format_bytes(host)} of host "
+            "memory free; use autobatch.find_max_batch on the device instead"
+        )
+    with _disable_current_modes():
+        torch_rng, python_rng = save_rng_states(), random.getstate()
+        try:
+            setup = _MetaSetup(
+                model, sample, optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train,
+                device_type=device_type, block_bytes=block_bytes, real=True,
+            )
+            trials: list[Trial] = []
+
+            def measure(n: int) -> Outcome:
+                began = time.perf_counter()
+                outcome = setup.parts(n)
+                peak = outcome.peak_bytes or 0
+                trials.append(Trial(n, peak <= budget, peak, parts=outcome.parts))
+                logger.info(
+                    "measured batch %d on a CPU copy: peak %s, %.2f s", n, format_bytes(peak),
+                    time.perf_counter() - began,
+                )
+                return Outcome(fits=peak <= budget, peak_bytes=peak, parts=outcome.parts)
+
+            if budget <= _HOST_STEP_BYTES:  # every step fits on this host: measure them all
+                exact = search(measure, min_size=min_batch, max_size=max_batch,
+                               multiple_of=step, capacity_bytes=budget)
+                largest = 0 if exact.largest_fit is None else exact.largest_fit
+                line = exact.model
+                reach = "sizes measured up to the answer and the one above it"
+            else:
+                largest, line = _extrapolated(measure, trials, budget, first, last, step,
+                                              block_bytes)
+                reach = (
+                    f"sizes above {max(t.size for t in trials)} extrapolated, each operator's "
+                    "peak on its own line (a kernel whose memory changes in steps may make it "
+                    "a little optimistic)"
+                )
+            fitting = [t for t in trials if t.fits] or trials
+            biggest = max(t.size for t in fitting)
+            breakdown_at = setup.breakdown(biggest)
+        finally:
+            restore_rng_states(torch_rng)
+            random.setstate(python_rng)
+    peaks = {t.size: t.peak_bytes or 0 for t in trials}
+    largest = max(largest, 0) // step * step
+    if last is not None:
+        largest = min(largest, last)
+    if largest < first:
+        needed = peaks.get(first, min(peaks.values())) + overhead_bytes
+        raise BatchSizeError(
+            f"even the smallest batch ({min_batch}) does not fit: measured on a CPU copy, the "
+            f"step needs about {format_bytes(needed)} (overhead "
+            f"{format_bytes(overhead_bytes)} included) of {format_bytes(capacity_bytes)}. Reduce "
+            "the model or the input size, use mixed precision, gradient checkpointing or a "
+            "sharded optimizer, or a larger device",
+            batch_size=min_batch,
+            needed_bytes=needed,
+            capacity_bytes=capacity_bytes,
+        )
+    predicted = peaks.get(largest, int(line.predict(largest)) if line is not None else peaks[biggest])
+    outcome = SearchOutcome(largest, largest + step, tuple(t for t in trials if t.fits), line)
+    batch_size = recommend(
+        outcome, capacity_bytes=capacity_bytes, headroom=headroom, multiple_of=step,
+        min_size=min_batch, reserved_bytes=overhead_bytes,
+    )
+    scale = largest / biggest
+    fixed = (
+        breakdown_at.parameters + breakdown_at.buffers + breakdown_at.gradients
+        + breakdown_at.optimizer_state
+    )
+    batch_bytes = round(breakdown_at.batch * scale)
+    breakdown = dataclasses.replace(
+        breakdown_at, batch=batch_bytes, activations=max(predicted - fixed - batch_bytes, 0)
+    )
+    notes = [
+        f"planned from {len(trials)} real steps on a CPU copy (batches "
+        f"{', '.join(str(t.size) for t in trials)}; {reach}): {why}",
+        *setup.notes,
+    ]
+    if train and setup.optimizer is None and step_fn is None:
+        notes.append("no optimizer given: forward and backward only, optimizer state not counted")
+    if not train:
+        notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
+    if device_type != "cpu":
+        notes.append(
+            f"measured with the CPU's kernels: on {device_type} some kernels (cuDNN recurrent "
+            "layers, fused attention) keep other workspaces; check with find_max_batch there"
+        )
+    plan = Plan(
+        batch_size=batch_size,
+        max_batch_size=largest,
+        memory_model=line,
+        points=tuple(sorted(peaks.items())),
+        capacity_bytes=capacity_bytes,
+        overhead_bytes=overhead_bytes,
+        breakdown=breakdown,
+        seconds=time.perf_counter() - started,
+        headroom=float(headroom),
+        device_type=device_type,
+        notes=tuple(notes),
+        method="steps",
+    )
+    logger.info(
+        "planned largest batch %d from real steps, recommended %d, in %.2f s",
         plan.max_batch_size, plan.batch_size, plan.seconds,
     )
     return plan

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,11 +22,12 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from autobatch import _batch
+from autobatch._accounting import storages
 from autobatch._backends import DeviceMemory, free_memory
-from autobatch._log import get_logger
+from autobatch._log import get_logger, user_stacklevel
 from autobatch._oom import failure_kind
 from autobatch._state import Snapshot, modules_referenced
 from autobatch._units import format_bytes
@@ -61,13 +64,29 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
     """The scalar to call ``backward`` on.
 
     ``loss_fn(output, target)`` (or ``loss_fn(output)`` without a target) when given; else a
-    scalar output, an output's ``.loss`` or ``["loss"]``; else a stand-in: the sum of the means of
-    every floating-point output tensor that needs a gradient. The stand-in back-propagates
-    through every output, so the memory is that of a real loss, give or take the loss's own
-    small buffers.
+    scalar output, an output's ``.loss`` or ``["loss"]`` (a model's own loss, e.g. a Hugging
+    Face model given ``labels``); else a stand-in that costs at least what a training loss
+    does: a cross-entropy over the last dimension of every floating-point output that needs a
+    gradient (for a language model's logits that is the loss it trains with; it keeps the
+    log-probabilities for backward, as a real classification loss does), the mean of those
+    with fewer than two dimensions. A plain mean would keep nothing, so a language model would
+    look cheaper than it is. When ``loss_fn`` cannot take what the model returned (an object
+    such as a ``ModelOutput``), the error says in one line what came back and what to pass.
     """
     if loss_fn is not None:
-        return loss_fn(output) if target is None else loss_fn(output, target)
+        try:
+            return loss_fn(output) if target is None else loss_fn(output, target)
+        except (TypeError, AttributeError) as error:
+            if isinstance(output, torch.Tensor):
+                raise
+            problem = f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
+        raise TypeError(
+            f"the model returned {_batch.describe(output)}, not a tensor, and "
+            f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)} cannot take it "
+            f"({problem}); pass a loss_fn that reads the field it needs (e.g. "
+            "lambda output, target: cross_entropy(output.logits.flatten(0, -2), "
+            "target.flatten())), or no loss_fn and labels the model computes its own loss from"
+        )
     if isinstance(output, torch.Tensor) and output.dim() == 0:
         return output
     loss = getattr(output, "loss", None)
@@ -76,7 +95,7 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         return loss
     parts = [
-        t.float().mean()
+        _stand_in(t)
         for t in _batch.tensors(output)
         if t.is_floating_point() or t.is_complex()
         if t.requires_grad
@@ -87,6 +106,40 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
             "back-propagate; pass loss_fn=, step_fn=, or train=False for inference"
         )
     return torch.stack(parts).sum()
+
+
+def _stand_in(output: torch.Tensor) -> torch.Tensor:
+    """A loss over one output tensor that keeps as much for backward as a training loss does."""
+    if output.is_complex():
+        output = output.abs()
+    if output.dim() < 2:
+        return output.float().mean()
+    scores = output.flatten(0, -2).float()
+    targets = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+    return torch.nn.functional.cross_entropy(scores, targets)
+
+
+def language_model_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """A causal language model's loss: each position predicts the next token.
+
+    ``output`` is the logits ``(batch, length, vocabulary)`` or an object with ``.logits`` (a
+    Hugging Face ``ModelOutput``); ``tokens`` the input ids, which are the labels.
+
+    >>> logits, tokens = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    >>> float(language_model_loss(logits, tokens)) > 0
+    True
+    """
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tokens.dim() != 2:
+        raise TypeError(
+            f"a language-model loss needs logits (batch, length, vocabulary) and tokens (batch, "
+            f"length); the model returned {_batch.describe(output)} for tokens "
+            f"{tuple(tokens.shape)}"
+        )
+    predicted = logits[:, :-1].flatten(0, 1).float()
+    return torch.nn.functional.cross_entropy(predicted, tokens[:, 1:].flatten())
 
 
 def make_step(
@@ -151,6 +204,78 @@ def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Op
     )
 
 
+class PeakKeeping(DeviceMemory):
+    """A device's memory whose peak counter autobatch may reset, as the user never sees.
+
+    Measuring a trial (or a micro-batch) means resetting the device's peak statistic
+    (``torch.cuda.reset_peak_memory_stats``), which would wipe the peak the user logs with
+    ``max_memory_allocated()``. Every reset through this wrapper first reads the peak it ends,
+    and :meth:`restore_peak` puts back the peak the device really reached since the user's own
+    last reset: the highest of those readings, reached again by a transient allocation of the
+    difference (which the device's allocator rounds as it does any allocation) when the counter
+    is lower. Everything else is the wrapped backend's.
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        super().__init__(memory.device)
+        self.inner = memory
+        self.has_statistics = memory.has_statistics  # type: ignore[misc]
+        self.highest = memory.peak_bytes() if memory.has_statistics else 0
+
+    def capacity_bytes(self) -> int:
+        return self.inner.capacity_bytes()
+
+    def allocated_bytes(self) -> int:
+        return self.inner.allocated_bytes()
+
+    def peak_bytes(self) -> int:
+        return self.inner.peak_bytes()
+
+    def reset_peak(self) -> None:
+        if self.has_statistics:
+            self.highest = max(self.highest, self.inner.peak_bytes())
+        self.inner.reset_peak()
+
+    def free_bytes(self) -> int:
+        return self.inner.free_bytes()
+
+    def reserved_bytes(self) -> int | None:
+        return self.inner.reserved_bytes()
+
+    def peak_reserved_bytes(self) -> int | None:
+        return self.inner.peak_reserved_bytes()
+
+    def memory_stats(self) -> dict[str, int] | None:
+        return self.inner.memory_stats()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def empty_cache(self) -> None:
+        self.inner.empty_cache()
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def restore_peak(self) -> None:
+        """Raise the device's peak counter back to the highest peak seen (see the class)."""
+        if not self.has_statistics:
+            return
+        if self.inner.peak_bytes() >= self.highest:
+            return
+        missing = self.highest - self.inner.allocated_bytes()  # allocated on top of what is
+        if missing <= 0 or missing > self.inner.free_bytes():
+            return
+        try:
+            with torch.no_grad():
+                torch.empty(missing, dtype=torch.uint8, device=self.device)
+        except Exception as error:  # another process took the memory: the counter stays low
+            if failure_kind(error) is None:
+                raise
+        self.highest = max(self.highest, self.inner.peak_bytes())
+
+
 @dataclass(frozen=True)
 class Workload:
     """What a front-end runs trials with: the step, and the optimizer it steps (if any)."""
@@ -158,6 +283,9 @@ class Workload:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     step: Callable[[Batch], None]
+    memory: PeakKeeping
+    compiled: bool = False  # the model has compiled parts
+    measured_eager: bool = False  # ... and the trials run their eager originals
 
     def drop_gradients(self) -> None:
         """Set every gradient to None: after a failed trial, and between trials."""
@@ -179,24 +307,73 @@ def prepared(
 ) -> Iterator[Workload]:
     """The one setup and teardown around trials: the optimizer made, everything a trial may
     change saved (:class:`~autobatch._state.Snapshot`), the model in eval mode for inference;
-    afterwards gradients dropped, everything put back and the device cache emptied, also when
-    a trial raised."""
+    afterwards gradients dropped, everything put back, the device's peak counter raised back to
+    what it would read had no trial reset it (``work.memory``, :class:`PeakKeeping`, is what
+    trials measure with) and the device cache emptied, also when a trial raised."""
     made = make_optimizer(optimizer if train else None, model)
+    _warn_uncounted(memory, model, made if made is optimizer else None)
     snapshot = Snapshot(
         model, made, tuple(x for x in (scaler,) if x is not None),
         modules=tuple(m for m in modules_referenced(loss_fn, step_fn) if m is not model),
     )
+    compiled = is_compiled(model)
+    under_mode = bool(_get_current_dispatch_mode_stack())
+    views = contextlib.ExitStack()
+    runs = views.enter_context(eager_view(model)) if compiled and under_mode else model
+    if compiled and under_mode:
+        warnings.warn(
+            "the model is compiled, but a dispatch mode is active (a SimulatedGPU's accounting), "
+            "under which compiled code cannot run: its trials run the eager model, whose memory "
+            "may differ from the compiled graph's; on the real device the compiled graph is "
+            "measured. The model stays compiled",
+            stacklevel=user_stacklevel(),
+        )
     work = Workload(
-        model, made, make_step(model, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler)
+        runs,
+        made,
+        make_step(runs, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler),
+        PeakKeeping(memory),
+        compiled=compiled,
+        measured_eager=compiled and under_mode,
     )
     try:
         if not train:
             model.eval()
         yield work
     finally:
+        views.close()
         work.drop_gradients()
         snapshot.restore()
         memory.empty_cache()
+        work.memory.restore_peak()  # the user's max_memory_allocated() as if never reset
+        memory.empty_cache()
+
+
+def _warn_uncounted(
+    memory: DeviceMemory, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Warn when a simulated GPU does not count the model (or the caller's optimizer state):
+    built before the simulator was entered and not adopted, its bytes would be missing from
+    every trial, and the size found too large by that much."""
+    from autobatch.testing._simulator import SimulatedMemory  # the simulator imports the backends
+
+    if not isinstance(memory, SimulatedMemory):
+        return
+    ledger = memory.gpu.ledger
+    held: list[Any] = [model] if optimizer is None else [model, optimizer]
+    missing = sum(
+        ledger.size_of(storage)
+        for storage in storages(held)
+        if storage.device.type == memory.device.type and storage not in ledger
+    )
+    if missing:
+        warnings.warn(
+            f"{format_bytes(missing)} of the model's parameters, buffers, gradients or "
+            "optimizer state are not counted by the active SimulatedGPU (created before it was "
+            "entered): every trial would leave them out and find a batch too large. Call "
+            "gpu.adopt(model, optimizer) first",
+            stacklevel=user_stacklevel(),
+        )
 
 
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -286,6 +463,7 @@ class TrialRunner:
         self.on_trial = on_trial
         self.per_operator = per_operator
         self.records: list[TrialRecord] = []
+        self._storage_trials: list[Any] = []  # (size, base, events, peak, shape) of fits
 
     def _attempt(self, size: int, peaks: _StepPeaks) -> str | None:
         """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
@@ -306,11 +484,15 @@ class TrialRunner:
         start = time.perf_counter()
         error = self._attempt(size, peaks)
         seconds = time.perf_counter() - start
+        events = None if peaks.storages is None else list(peaks.storages.events)
         peak: int | None = None
         parts: tuple[int, ...] = ()
         phases: tuple[int, ...] = ()
+        curve: Callable[[int], int] | None = None
         if error is None and self.memory.has_statistics:
             peak, parts, phases = peaks.peak, peaks.parts(), peaks.phases()
+            if events is not None and peaks.storages is not None and peaks.storages.exact:
+                curve = self._storage_curve(size, peaks.base, events, peak)
         else:  # out of the except block: the failed attempt's tensors are gone
             self.cleanup()
             free_memory(self.memory.device)
@@ -319,7 +501,112 @@ class TrialRunner:
         logger.info("%s", record)
         if self.on_trial is not None:
             self.on_trial(record)
-        return Outcome(fits=error is None, peak_bytes=peak, error=error, parts=parts, phases=phases)
+        return Outcome(
+            fits=error is None, peak_bytes=peak, error=error, parts=parts, phases=phases,
+            curve=curve,
+        )
+
+    def _storage_curve(
+        self, size: int, base: int, events: list[tuple[int, int, int]], peak: int
+    ) -> Callable[[int], int] | None:
+        """The peak at any size from this trial's storages and an earlier trial's whose
+        operators created and freed them alike (see :func:`_curve`), with the allocator's
+        512-byte blocks, or whole bytes; ``None`` when neither gives both peaks exactly."""
+        shape = tuple((segment, serial, nbytes >= 0) for segment, serial, nbytes in events)
+        record = (size, base, events, peak)
+        earlier = [r for r in self._storage_trials if r[0] != size and r[4] == shape]
+        self._storage_trials = [*self._storage_trials[-3:], (*record, shape)]
+        for other in reversed(earlier):
+            for block in (512, 1):
+                curve = _curve([other[:4], record], block)
+                if curve is not None:
+                    return curve
+        return None
+
+
+def _compiled_class() -> type | None:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a submodule is compiled (``torch.compile(module)`` or
+    ``module.compile()``)."""
+    optimized = _compiled_class()
+    return any(
+        (optimized is not None and isinstance(module, optimized))
+        or getattr(module, "_compiled_call_impl", None) is not None
+        for module in model.modules()
+    )
+
+
+def without_compiled(model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
+    """``(eager, undo)``: ``model`` with every compiled part swapped for its eager original (the
+    root itself too, when compiled), and the function that puts them back. Parameters are
+    shared, not copied."""
+    optimized = _compiled_class()
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    cleared: list[tuple[nn.Module, Any]] = []
+
+    def undo() -> None:
+        for module, name, child in reversed(swapped):
+            module._modules[name] = child
+        for module, impl in reversed(cleared):
+            module._compiled_call_impl = impl
+
+    root: Any = model
+    while optimized is not None and isinstance(root, optimized):
+        root = cast(Any, root)._orig_mod
+    try:
+        for module in list(root.modules()):
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                cleared.append((module, module._compiled_call_impl))
+                module._compiled_call_impl = None
+            for name, child in list(module._modules.items()):
+                original: Any = child
+                while optimized is not None and isinstance(original, optimized):
+                    original = cast(Any, original)._orig_mod
+                if original is not child and child is not None:
+                    swapped.append((module, name, child))
+                    module._modules[name] = original
+                    for inner in original.modules():
+                        if getattr(inner, "_compiled_call_impl", None) is not None:
+                            cleared.append((inner, inner._compiled_call_impl))
+                            inner._compiled_call_impl = None
+    except BaseException:
+        undo()
+        raise
+    return root, undo
+
+
+@contextlib.contextmanager
+def eager_view(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with every compiled part swapped for its eager original, put back after.
+
+    Compiled code cannot run under a ``TorchDispatchMode`` (a simulated GPU's accounting,
+    per-operator recording, the planner's counting): torch's compiler then not only runs it
+    eagerly, it marks the code to be skipped for good, so the user's compiled model would stay
+    eager for the rest of the process. Trials under such a mode run this eager view instead;
+    the compiled modules themselves never see the mode.
+    """
+    eager, undo = without_compiled(model)
+    try:
+        yield eager
+    finally:
+        undo()
+
+
+def mark_batch_dynamic(batch: Batch) -> Batch:
+    """Mark dimension 0 of every tensor of ``batch`` dynamic for ``torch.compile``, so a compiled
+    model is not compiled again for each trial's size (sizes 0 and 1 stay specialised)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    mark = getattr(dynamo, "maybe_mark_dynamic", None)
+    if mark is None:
+        return batch
+    for tensor in _batch.tensors(batch):
+        if tensor.dim() >= 1 and tensor.shape[0] >= 2:
+            mark(tensor, 0)
+    return batch
 
 
 def per_operator_possible(model: nn.Module) -> bool:
@@ -353,6 +640,8 @@ class _StepPeaks:
         self.memory = memory
         self.statistics = memory.has_statistics
         self.per_operator = per_operator and self.statistics
+        self.storages: _Storages | None = _Storages() if self.per_operator else None
+        self.base = 0
         self.operators: list[int] = []
         self.outside = 0
         self.inside: int | None = None
@@ -369,6 +658,8 @@ class _StepPeaks:
             memory.reset_peak()
         if self.per_operator:
             self.operators.append(peak)
+            if self.storages is not None:
+                self.storages.segment += 1
         if self._stepping:
             self.inside = peak if self.inside is None else max(self.inside, peak)
         elif peak > self.outside:
@@ -383,6 +674,7 @@ class _StepPeaks:
         self._stepping = False
 
     def __enter__(self) -> _StepPeaks:
+        self.base = self.memory.allocated_bytes() if self.statistics else 0
         if self.statistics:
             self._hooks = [
                 register_optimizer_step_pre_hook(self._before_step),
@@ -431,6 +723,7 @@ class _OperatorMode(TorchDispatchMode):
     def __init__(self, peaks: _StepPeaks) -> None:
         super().__init__()
         self.close = peaks.close_segment
+        self.storages = peaks.storages
 
     def __torch_dispatch__(
         self,
@@ -440,7 +733,121 @@ class _OperatorMode(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         self.close()
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.storages is not None:
+            self.storages.born(out, (args, kwargs))
+        return out
+
+
+class _Storages:
+    """Every storage a trial's operators create, in order: when each is born (its raw bytes)
+    and when it dies, by the segment (operator) it happens in. Two trials with the same events
+    give each storage's size as a line in the batch size, so the peak at any size is known to
+    the byte, the allocator's rounding of each storage included (see :func:`_curve`)."""
+
+    def __init__(self) -> None:
+        self.segment = 0
+        self.events: list[tuple[int, int, int]] = []  # (segment, serial, bytes; -1: died)
+        self.serials: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}  # serial -> bytes at birth
+        self.exact = True  # False once something happened that the events cannot replay
+
+    def born(self, out: Any, inputs: Any) -> None:
+        """Record the new storages among an operator's outputs (a view of an input, or of a
+        storage made before the trial, is none)."""
+        views: set[int] | None = None
+        stack = [out]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, (list, tuple)):
+                stack.extend(reversed(value))
+            elif isinstance(value, torch.Tensor):
+                if value.layout is not torch.strided or value.is_nested:
+                    continue
+                storage = value.untyped_storage()
+                key = int(storage._cdata)
+                nbytes = int(storage.nbytes())
+                serial = self.serials.get(key)
+                if serial is None:
+                    if views is None:
+                        views = _storage_keys(inputs)
+                    if key in views:
+                        continue
+                    serial = self.serials[key] = len(self.sizes)
+                    self.sizes[serial] = nbytes
+                    self.events.append((self.segment, serial, nbytes))
+                    weakref.finalize(storage, self._died, key, serial)
+                elif nbytes != self.sizes[serial]:
+                    self.exact = False  # a storage grew in place
+
+    def _died(self, key: int, serial: int) -> None:
+        if self.serials.get(key) == serial:
+            del self.serials[key]
+        self.events.append((self.segment, serial, -1))
+
+    def structure(self) -> tuple[tuple[int, int, bool], ...]:
+        return tuple((segment, serial, nbytes >= 0) for segment, serial, nbytes in self.events)
+
+
+def _storage_keys(values: Any) -> set[int]:
+    """The storages of every tensor among an operator's arguments."""
+    keys: set[int] = set()
+    stack = [values]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif (
+            isinstance(value, torch.Tensor)
+            and value.layout is torch.strided
+            and not value.is_nested
+        ):
+            keys.add(int(value.untyped_storage()._cdata))
+    return keys
+
+
+def _curve(
+    trials: list[tuple[int, int, list[tuple[int, int, int]], int]], block: int
+) -> Callable[[int], int] | None:
+    """The peak at any size from two trials' storage events (``(size, base, events, peak)``,
+    alike but for sizes): each storage's bytes are a line through its two sizes (``None`` when
+    one is not), every storage is rounded up to ``block``, and the peak is the highest the
+    running total reaches. ``None`` unless it gives both trials' measured peaks exactly."""
+    (n1, base1, events1, peak1), (n2, base2, events2, peak2) = trials[-2:]
+    if base1 != base2 or n1 == n2:
+        return None
+    lines: dict[int, tuple[int, int]] = {}
+    for (_, serial, a), (_, _, b) in zip(events1, events2, strict=True):
+        if a < 0:
+            continue
+        slope, rest = divmod(b - a, n2 - n1)
+        if rest:
+            return None  # not affine in the size: no storage-exact curve
+        lines[serial] = (slope, a - slope * n1)
+    order = [(serial, nbytes < 0) for _, serial, nbytes in events1]
+
+    def peak(n: int) -> int:
+        live: dict[int, int] = {}
+        total = highest = base1
+        for serial, died in order:
+            if died:
+                total -= live.pop(serial, 0)
+            else:
+                slope, offset = lines[serial]
+                raw = slope * n + offset
+                if raw < 0:
+                    raise ValueError(f"a storage would have {raw} bytes at size {n}")
+                size = -(-raw // block) * block
+                live[serial] = size
+                total += size
+                highest = max(highest, total)
+        return highest
+
+    if peak(n1) != peak1 or peak(n2) != peak2:
+        return None
+    return peak
 
 
 class _PhasePeaks(_StepPeaks):

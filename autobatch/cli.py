@@ -37,10 +37,10 @@ from torch import nn
 from autobatch._backends import memory_for, resolve_device
 from autobatch._cache import ResultCache, cached_search, open_cache, result_to_dict, search_key
 from autobatch._errors import BatchSizeError
-from autobatch._finder import SearchResult, search_batch_size
+from autobatch._finder import SearchResult, _check_options, search_batch_size
 from autobatch._oom import oom_kind
-from autobatch._throughput import ThroughputPoint, ThroughputResult, find_best_batch
-from autobatch._trial import TrialRecord
+from autobatch._throughput import ThroughputPoint, ThroughputResult, _check, find_best_batch
+from autobatch._trial import LossFn, TrialRecord, language_model_loss
 from autobatch._units import format_bytes, parse_bytes
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS
@@ -76,11 +76,19 @@ class UsageError(Exception):
     """A bad command line: reported as one line, exit code 2."""
 
 
+class _ArgumentError(UsageError):
+    """argparse refused the command line; ``prog`` is the (sub)command that did."""
+
+    def __init__(self, message: str, prog: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with errors as one line (no usage block) and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise _ArgumentError(message, self.prog)
 
 
 # --------------------------------------------------------------------------- the parser
@@ -116,12 +124,17 @@ def _workload(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="float32",
                        help="dtype of the --sample-shape input (default float32; integer "
                             "inputs are zeros, valid token ids)")
-    group.add_argument("--labels", default="none", metavar="classes:N|none",
-                       help="with --sample-shape: an int class label per row (the sample is "
-                            "(input, label) and the loss cross-entropy), or none (default)")
+    group.add_argument("--labels", default="none", metavar="classes:N|tokens|none",
+                       help="with --sample-shape: classes:N, an int class label per row (the "
+                            "sample is (input, label) and the loss cross-entropy); tokens, a "
+                            "language model's labels, the input tokens themselves (the model's "
+                            "own loss when forward takes labels=, else next-token "
+                            "cross-entropy); or none (default)")
     group.add_argument("--loss", default="auto", metavar="auto|cross_entropy|mse|PKG.MODULE:FN",
                        help="loss_fn(output, target): default cross-entropy with class labels, "
-                            "else a scalar output, output.loss, or the sum of output means")
+                            "else a scalar output, output.loss, or a stand-in that costs as "
+                            "much as a training loss (cross-entropy over each output's last "
+                            "dimension)")
     group.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZERS),
                        help="optimizer whose state is counted (default adamw; sgd has "
                             "momentum 0.9; none: forward and backward only)")
@@ -292,13 +305,17 @@ def _parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _parse_labels(text: str) -> int | None:
-    if text == "none":
-        return None
+def _parse_labels(text: str) -> int | str | None:
+    """``classes:N`` gives N, ``tokens`` gives "tokens", ``none`` None."""
+    if text in ("none", "tokens"):
+        return None if text == "none" else text
     kind, _, count = text.partition(":")
     if kind == "classes" and count.isdigit() and int(count) >= 1:
         return int(count)
-    raise UsageError(f"--labels {text!r}: write classes:N (e.g. classes:1000) or none")
+    raise UsageError(
+        f"--labels {text!r}: write classes:N (e.g. classes:1000), tokens (a language model: the "
+        "labels are the input tokens) or none"
+    )
 
 
 @dataclass(frozen=True)
@@ -306,10 +323,13 @@ class _Sample:
     value: Any
     classes: int | None
     text: str
+    tokens: bool = False
 
 
 def _make_sample(args: argparse.Namespace) -> _Sample:
     if args.sample is not None:
+        if args.labels != "none":
+            raise UsageError("--labels goes with --sample-shape; a --sample makes its own labels")
         factory = _load(args.sample, "--sample")
         if not callable(factory):
             return _Sample(factory, None, args.sample)
@@ -318,17 +338,40 @@ def _make_sample(args: argparse.Namespace) -> _Sample:
         return _Sample(factory(), None, f"{args.sample}()")
     shape = _parse_shape(args.sample_shape)
     dtype = _parse_dtype(args.dtype)
-    classes = _parse_labels(args.labels)
+    labels = _parse_labels(args.labels)
     generator = torch.Generator().manual_seed(0)  # never touches the global RNG
     if dtype.is_floating_point or dtype.is_complex:
         inputs = torch.randn((1, *shape), generator=generator).to(dtype)
     else:
         inputs = torch.zeros((1, *shape), dtype=dtype)
     text = f"{'x'.join(map(str, shape))} {str(dtype).removeprefix('torch.')}"
-    if classes is None:
+    if labels is None:
         return _Sample(inputs, None, text)
-    labels = torch.randint(0, classes, (1,), generator=generator)
-    return _Sample((inputs, labels), classes, f"{text} with a label of {classes} classes")
+    if labels == "tokens":
+        if dtype.is_floating_point or dtype.is_complex or len(shape) != 1:
+            raise UsageError(
+                f"--labels tokens needs token ids: --sample-shape LENGTH --dtype int64, not "
+                f"{text}"
+            )
+        return _Sample(inputs, None, f"{text} tokens, labels the tokens", tokens=True)
+    assert isinstance(labels, int)
+    target = torch.randint(0, labels, (1,), generator=generator)
+    return _Sample((inputs, target), labels, f"{text} with a label of {labels} classes")
+
+
+def _language_model_sample(sample: _Sample, model: nn.Module) -> tuple[Any, LossFn | None]:
+    """``--labels tokens``: the model's own loss when its forward takes ``labels=`` (a Hugging
+    Face model: ``{input name: tokens, "labels": tokens}``), else ``(tokens, tokens)`` and a
+    next-token cross-entropy over the logits."""
+    tokens = sample.value
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    names = [p.name for p in parameters]
+    if "labels" in names and parameters and parameters[0].name != "labels":
+        return {parameters[0].name: tokens, "labels": tokens}, None
+    return (tokens, tokens), language_model_loss
 
 
 def _make_loss(spec: str, classes: int | None) -> Callable[..., torch.Tensor] | None:
@@ -584,10 +627,21 @@ def _setup(args: argparse.Namespace) -> _Setup:
     sample = _make_sample(args)
     loss_fn = _make_loss(args.loss, sample.classes)
     model = _make_model(args.model)
+    if sample.tokens:
+        value, lm_loss = _language_model_sample(sample, model)
+        sample = dataclasses.replace(sample, value=value)
+        if args.loss == "auto":
+            loss_fn = lm_loss
     return _Setup(model, sample, _OPTIMIZERS[args.optimizer], loss_fn, not args.inference)
 
 
 def _search_options_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The search options, checked: a bad one is a usage error before anything runs (a
+    ``ValueError`` raised later comes from the model or the sample, not from the command line)."""
+    try:
+        _check_options(args.min_batch, args.max_batch, args.multiple_of, args.headroom, 1)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"--{str(error).replace('_', '-')}") from None
     return {
         "headroom": args.headroom,
         "min_batch": args.min_batch,
@@ -641,13 +695,14 @@ def _plot(result: SearchResult | ThroughputResult, path: str | None, stream: Tex
 
 
 def _find(args: argparse.Namespace) -> int:
+    options = _search_options_of(args)
     setup = _setup(args)
     target = _target(args, DEFAULT_SIMULATED)
     out = _output(args)
     _header(setup, target, "find", out)
     start = time.perf_counter()
     with _running_on(target, setup.model):
-        result, cached = _search(setup, target, _search_options_of(args), _cache_of(args))
+        result, cached = _search(setup, target, options, _cache_of(args))
     seconds = time.perf_counter() - start
     if args.json:
         _emit_json({"command": "find", **result_to_dict(result), "cached": cached is not None,
@@ -659,6 +714,10 @@ def _find(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    try:
+        _check_options(1, None, 1, args.headroom, 1)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"--{error}") from None
     work = WORKLOADS[args.workload]
     torch.manual_seed(0)
     model = work.model()
@@ -687,12 +746,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _best(args: argparse.Namespace) -> int:
+    options = _search_options_of(args)
+    try:
+        _check(args.tolerance, args.repeats, args.warmup)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"--{error}") from None
     setup = _setup(args)
     target = _target(args, DEFAULT_SIMULATED)
     candidates = _parse_sizes(args.candidates) if args.candidates else None
     out = _output(args)
     _header(setup, target, "best", out)
-    options = _search_options_of(args)
     start = time.perf_counter()
     with _running_on(target, setup.model):
         max_batch: int | None = None
@@ -752,6 +815,7 @@ def _throughput_dict(result: ThroughputResult) -> dict[str, Any]:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    options = _search_options_of(args)
     setup = _setup(args)
     if args.capacity is not None:
         try:
@@ -773,6 +837,11 @@ def _plan(args: argparse.Namespace) -> int:
         overhead = 0 if args.overhead is None else parse_bytes(args.overhead, name="--overhead")
     except (TypeError, ValueError) as error:
         raise UsageError(str(error)) from None
+    if overhead >= capacity:
+        raise UsageError(
+            f"--overhead {args.overhead} ({format_bytes(overhead)}) leaves nothing of the "
+            f"{format_bytes(capacity)} device; lower it"
+        )
     try:
         from autobatch._planner import plan_max_batch  # type: ignore[import-not-found,unused-ignore]
     except ImportError as error:
@@ -782,8 +851,7 @@ def _plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     plan = plan_max_batch(
         setup.model, setup.sample.value, setup.optimizer, capacity,
-        loss_fn=setup.loss_fn, train=setup.train, overhead=overhead,
-        **_search_options_of(args),
+        loss_fn=setup.loss_fn, train=setup.train, overhead=overhead, **options,
     )
     seconds = time.perf_counter() - start
     if args.json:
@@ -817,20 +885,52 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + " ..."
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether the command line asks for JSON output (read before, or without, argparse)."""
+    return "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
+
+
+def _failed(
+    command: str, code: int, kind: str, error: BaseException, *, json_out: bool, hint: str = ""
+) -> int:
+    """Report a failure: one line on stderr and, with ``--json``, one JSON object on stdout."""
+    message = _one_line(error)
+    print(f"{command}: {kind}: {message}{hint}", file=sys.stderr, flush=True)
+    if json_out:
+        _emit_json({
+            "command": command.removeprefix(f"{PROG} ") if command != PROG else None,
+            "error": message,
+            "kind": kind,
+            "exit_code": code,
+        })
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``autobatch`` command; returns the exit code.
 
     >>> main(["--version"])  # doctest: +SKIP
     autobatch 0.1.0
-    """
 
+    Exit codes: 0 success; 2 a usage error (a bad option, or a model, sample or loss that
+    cannot be loaded), found before anything runs; 3 nothing fits; 1 any other error,
+    including every error raised while the model runs (a ``ValueError`` in ``forward`` too);
+    130 interrupted. With ``--json`` a failure also prints one JSON object on stdout, with an
+    ``"error"`` field.
+    """
+    words = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as done:  # --help, --version, or a usage error already printed
+        args = parser.parse_args(words)
+    except SystemExit as done:  # --help or --version
         return done.code if isinstance(done.code, int) else EXIT_USAGE
+    except _ArgumentError as error:
+        hint = f" (see {error.prog} --help)"
+        return _failed(error.prog, EXIT_USAGE, "error", error, json_out=_wants_json(words),
+                       hint=hint)
     handler: Callable[[argparse.Namespace], int] = args.handler
     command = f"{PROG} {args.command}"
+    json_out = bool(getattr(args, "json", False))
     try:
         with _reporting(args.verbose, _output(args), sys.stderr):
             return handler(args)
@@ -843,9 +943,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             code, kind = EXIT_INTERRUPTED, "interrupted"
         elif isinstance(error, BatchSizeError):
             code, kind = EXIT_NOTHING_FITS, "nothing fits"
-        elif isinstance(error, (UsageError, ValueError, TypeError)):
+        elif isinstance(error, UsageError):
             code, kind = EXIT_USAGE, "error"
-        elif isinstance(error, Exception):
+        elif isinstance(error, Exception):  # the model, the sample, the loss or autobatch
             code, kind = EXIT_ERROR, "error"
         else:
             raise
@@ -854,5 +954,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "" if args.verbose or code == EXIT_INTERRUPTED else " (--verbose for details)"
         if isinstance(error, (UsageError, BatchSizeError)):
             hint = ""
-        print(f"{command}: {kind}: {_one_line(error)}{hint}", file=sys.stderr, flush=True)
-        return code
+        return _failed(command, code, kind, error, json_out=json_out, hint=hint)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Protocol
 
@@ -31,9 +31,11 @@ __all__ = [
     "SearchState",
     "Trial",
     "binding_points",
+    "extrapolate",
     "fit_linear",
     "recommend",
     "search",
+    "trusted_curve",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,10 @@ class Outcome:
             maximum of their lines, which bends where another part starts to set the peak.
         phases: coarser parts (e.g. forward and backward, then the optimizer step), used when
             the trials' ``parts`` do not line up (a different number of them at another size).
+        curve: the probe's own prediction of the peak at any size, when it can make one (e.g.
+            from every storage's size and the allocator's rounding, which a line through the
+            peaks cannot follow where a sample adds less than a block). The search uses it
+            while it gives every measured peak exactly and every failed size above capacity.
     """
 
     fits: bool
@@ -79,6 +85,7 @@ class Outcome:
     error: str | None = None
     parts: tuple[int, ...] = ()
     phases: tuple[int, ...] = ()
+    curve: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.fits, bool):
@@ -103,6 +110,7 @@ class Trial:
         error: the probe's short failure kind, if any.
         parts: the peaks of the step's parts, if the probe measured them.
         phases: the peaks of the step's phases, if the probe measured them.
+        curve: the probe's prediction of the peak at any size, if it made one.
     """
 
     size: int
@@ -111,6 +119,7 @@ class Trial:
     error: str | None = None
     parts: tuple[int, ...] = ()
     phases: tuple[int, ...] = ()
+    curve: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -429,6 +438,9 @@ class ModelGuided:
             if state.prior is not None:
                 return state.prior.largest_within(capacity)
             return self.first_size
+        curve = trusted_curve(state.trials, capacity)
+        if curve is not None:
+            return self._curve_size(state, curve, capacity)
         points, straight = _binding(state.trials, capacity)
         if not points:
             if state.largest_fit is None:  # only failures so far: get a measured point cheaply
@@ -440,6 +452,16 @@ class ModelGuided:
                 return self._second_size(state, points[-1], capacity)
             return self.fallback.next_size(state)
         return self._guided_size(state, fit, capacity)
+
+    def _curve_size(self, state: SearchState, curve: Callable[[int], int], capacity: int) -> int:
+        """Where the probe's own curve puts the largest fit: there, or the size above the
+        largest fit when that is it (to see the next one fail)."""
+        step = state.multiple_of
+        low = state.below()
+        upper = state.above()
+        cap = self._cap(state, UNBOUNDED_MAX_SIZE if upper is None else upper - step)
+        best = _largest_within(curve, capacity, low, cap, step)
+        return best if best > low else low + step
 
     def _fit(
         self, state: SearchState, points: list[tuple[int, int]], straight: bool = False
@@ -633,6 +655,60 @@ class _Bracket:
             self.fail = size
 
 
+def trusted_curve(
+    trials: Sequence[Trial], capacity_bytes: int | None
+) -> Callable[[int], int] | None:
+    """The latest curve a probe reported (see :class:`Outcome`), if it gives every fitting
+    trial's peak exactly and puts every failed size above ``capacity_bytes``; else ``None``.
+
+    >>> line = lambda n: 1000 + 512 * n
+    >>> trials = [Trial(2, True, line(2)), Trial(8, True, line(8), curve=line)]
+    >>> trusted_curve(trials, 10_000) is line, trusted_curve([*trials, Trial(17, False)], 10_000)
+    (True, None)
+    """
+    if capacity_bytes is None:
+        return None
+    curve = next((t.curve for t in reversed(trials) if t.curve is not None), None)
+    if curve is None:
+        return None
+    try:
+        for trial in trials:
+            if trial.fits and trial.peak_bytes is not None and curve(trial.size) != trial.peak_bytes:
+                return None
+            if not trial.fits and trial.error is not None and "size_limit" in trial.error:
+                continue  # not a matter of memory: the curve cannot say
+            if not trial.fits and curve(trial.size) <= capacity_bytes:
+                return None
+    except (ArithmeticError, ValueError):
+        return None
+    return curve
+
+
+def _largest_within(
+    curve: Callable[[int], int], capacity: int, low: int, high: int, step: int
+) -> int:
+    """The largest grid size in ``(low, high]`` whose ``curve`` is within ``capacity`` (``low``
+    when none is): galloping up from ``low``, then bisecting (the curve grows with the size)."""
+    lo, hi = low, None
+    gap = step
+    while lo + gap <= high:
+        if curve(lo + gap) <= capacity:
+            lo, gap = lo + gap, gap * 2
+        else:
+            hi = lo + gap
+            break
+    if hi is None:
+        hi = min(lo + gap, high + step)
+    while hi - lo > step:
+        middle = (lo + hi) // (2 * step) * step
+        middle = min(max(middle, lo + step), hi - step)
+        if curve(middle) <= capacity:
+            lo = middle
+        else:
+            hi = middle
+    return lo
+
+
 def binding_points(trials: Sequence[Trial], capacity_bytes: int | None) -> list[tuple[int, int]]:
     """``(size, peak)`` points of the fitting trials: of the part whose own line reaches
     ``capacity_bytes`` first when the trials measured their parts, else of the whole step.
@@ -725,6 +801,38 @@ def _float_least_squares(xs: Sequence[int], ys: Sequence[int]) -> tuple[float, f
     return y_mean - per_sample * x_mean, per_sample
 
 
+def extrapolate(
+    trials: Sequence[Trial], capacity_bytes: int, *, granularity_bytes: int = 512
+) -> tuple[int, LinearModel | None]:
+    """The largest size that the trials' parts (their lines, see :func:`binding_points`) put
+    surely within ``capacity_bytes``, and the line of the part that binds there: for sizes no
+    probe can run (a plan from small real steps). Surely: the pessimistic end of the spread
+    that :class:`ModelGuided` allows each measured peak (``granularity_bytes``, or the fit's
+    residual) over the extrapolation, so that rounding never makes the size too large.
+    ``(UNBOUNDED_MAX_SIZE, None)`` when no part grows with the size.
+
+    >>> parts = lambda n: (1_000_000 + 4_096 * n, 3_000_000 + 1_024 * n)
+    >>> trials = [Trial(n, True, max(parts(n)), parts=parts(n)) for n in (2, 8, 32)]
+    >>> extrapolate(trials, 9_000_000)[0]  # the first part's line reaches it at 1953.1
+    1936
+
+    Args:
+        trials: fitting trials with measured peaks (and parts or phases).
+        capacity_bytes: the budget the peaks must stay within.
+        granularity_bytes: how far a measured peak may be off (allocator rounding).
+    """
+    _check_int("capacity_bytes", capacity_bytes, minimum=1)
+    points, straight = _binding(trials, capacity_bytes)
+    if len({size for size, _ in points}) < 2:
+        raise ValueError("extrapolate needs fitting trials at two sizes or more, with peaks")
+    found = _fit(points, 8.0 * granularity_bytes)
+    if found is None:
+        return UNBOUNDED_MAX_SIZE, None
+    policy = ModelGuided(granularity_bytes=granularity_bytes)
+    exact, spread = policy._predict(replace(found, straight=straight), capacity_bytes)
+    return max(0, min(math.floor(exact - spread), UNBOUNDED_MAX_SIZE)), found.model
+
+
 def search(
     probe: Callable[[int], Outcome],
     *,
@@ -743,12 +851,13 @@ def search(
     and the next grid size up was probed and failed (or is beyond ``max_size``). No size is probed
     twice or off the grid, and the same probe gives the same sequence of sizes.
 
-    Trials, with the default policy: with peak statistics on an affine curve (also one whose
-    first size bends, with 512-byte rounding) 4 or 5, one of them failing; also 4 or 5 on a
-    bent curve whose straight parts the probe reports (each operator's peak, see
-    :class:`Outcome`), with at most three times the answer's samples in all when each part
-    grows by several 512-byte blocks per sample; without parts, about 9 when a constant (the
-    optimizer step) sets the peak up to hundreds of samples; with an exact
+    Trials, with the default policy: with a probe's own exact curve (see :class:`Outcome`)
+    4, one of them failing, however little a sample adds; with peak statistics on an affine
+    curve (also one whose first size bends, with 512-byte rounding) 4 or 5, one of them
+    failing; also 4 or 5 on a bent curve whose straight parts the probe reports (each
+    operator's peak, see :class:`Outcome`), with at most three times the answer's samples in
+    all when each part grows by several 512-byte blocks per sample; without parts, about 9
+    when a constant (the optimizer step) sets the peak up to hundreds of samples; with an exact
     ``start`` or ``prior``, 2; without statistics at most ``2*floor(log2(answer)) + 2`` from
     ``min_size=1``. For any monotone probe, any ``start`` and any ``prior``: at most
     ``2*ceil(log2(R)) + 20``, where ``R`` is the number of grid sizes from ``min_size`` up to
@@ -816,7 +925,7 @@ def search(
         trials.append(
             Trial(
                 size, outcome.fits, outcome.peak_bytes, outcome.error, outcome.parts,
-                outcome.phases,
+                outcome.phases, outcome.curve,
             )
         )
         bracket.record(size, outcome.fits)
@@ -839,13 +948,22 @@ def recommend(
     headroom: float = 0.0,
     multiple_of: int = 1,
     min_size: int = 1,
+    probe: Callable[[int], Outcome] | None = None,
+    reserved_bytes: int = 0,
+    max_probes: int = 6,
 ) -> int:
     """The largest grid size at most ``outcome.largest_fit`` that leaves ``headroom`` of memory free.
 
-    With a fitted model and ``capacity_bytes``: the largest size whose predicted peak is at most
-    ``(1 - headroom) * capacity_bytes``. Otherwise an approximation: ``(1 - headroom) *
-    largest_fit`` rounded down. Either way on the grid, never below the smallest grid size and
-    never above ``largest_fit``.
+    ``headroom=0`` is ``largest_fit`` itself (on the grid). Otherwise, with measured peaks and
+    ``capacity_bytes``, the target is a peak of at most ``(1 - headroom) * capacity_bytes -
+    reserved_bytes``: the size is predicted by the line of the part (see :func:`binding_points`)
+    that reaches that target first, which on a bent curve need not be the part that binds at
+    the capacity. With a ``probe`` the prediction is checked: a size whose peak was not
+    measured is probed, and one whose peak is above the target is refitted below, so the size
+    returned has a measured peak within the target (the smallest grid size when none has; the
+    caller can tell from the trials). Without peaks: ``(1 - headroom) * largest_fit`` rounded
+    down (or ``outcome.model``'s prediction, when there is one). Always on the grid, never below
+    the smallest grid size and never above ``largest_fit``.
 
     >>> found = SearchOutcome(largest_fit=100, smallest_fail=101, trials=(), model=None)
     >>> recommend(found, headroom=0.1, multiple_of=8)
@@ -853,13 +971,20 @@ def recommend(
 
     Args:
         outcome: a search result with a fitting size.
-        capacity_bytes: the memory budget the model's peaks are compared with.
+        capacity_bytes: the memory budget the peaks are compared with.
         headroom: the fraction of capacity to leave free, in ``[0, 1)``.
         multiple_of: the grid step.
         min_size: the smallest size allowed.
+        probe: the search's probe, to measure sizes the prediction proposes (e.g. ``find``'s
+            trial runner); ``None`` trusts the prediction.
+        reserved_bytes: bytes the peaks do not include but the capacity must hold (a plan's
+            overhead).
+        max_probes: the most sizes probed.
     """
     _check_int("multiple_of", multiple_of, minimum=1)
     _check_int("min_size", min_size, minimum=1)
+    _check_int("reserved_bytes", reserved_bytes, minimum=0)
+    _check_int("max_probes", max_probes, minimum=0)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     largest = outcome.largest_fit
@@ -872,8 +997,74 @@ def recommend(
             f"largest_fit={largest} is below the smallest grid size {smallest} "
             f"(min_size={min_size}, multiple_of={multiple_of}); pass the search's own grid"
         )
-    if outcome.model is not None and capacity_bytes is not None:
-        size = outcome.model.largest_within((1 - headroom) * capacity_bytes)
-    else:
-        size = math.floor((1 - headroom) * largest)
-    return max(smallest, min(size // multiple_of * multiple_of, top))
+    if headroom == 0:
+        return top  # the exact largest size that fits: it was probed and it fit
+    trials = list(outcome.trials)
+    measured = any(t.fits and t.peak_bytes is not None for t in trials)
+    if capacity_bytes is None or not measured:
+        if outcome.model is not None and capacity_bytes is not None:
+            size = outcome.model.largest_within((1 - headroom) * capacity_bytes - reserved_bytes)
+        else:
+            size = math.floor((1 - headroom) * largest)
+        return max(smallest, min(size // multiple_of * multiple_of, top))
+    target = math.floor((1 - headroom) * capacity_bytes) - reserved_bytes
+    return _Settling(trials, target, smallest, top, multiple_of).run(probe, max_probes)
+
+
+class _Settling:
+    """:func:`recommend`'s measured search: the largest grid size whose peak is within a target,
+    between the sizes measured within it and those measured above it."""
+
+    def __init__(
+        self, trials: list[Trial], target: int, smallest: int, top: int, step: int
+    ) -> None:
+        self.trials = trials
+        self.target = target
+        self.smallest, self.top, self.step = smallest, top, step
+
+    def bounds(self) -> tuple[int | None, int]:
+        """(largest grid size measured within the target, smallest size known above it)."""
+        within: int | None = None
+        above = self.top + self.step
+        for t in self.trials:
+            over = not t.fits or (t.peak_bytes is not None and t.peak_bytes > self.target)
+            if over:
+                above = min(above, t.size)
+            elif t.peak_bytes is not None and t.size % self.step == 0 and t.size <= self.top:
+                within = t.size if within is None else max(within, t.size)
+        return within, above
+
+    def predict(self) -> int | None:
+        """The largest size the parts' lines put within the target (``None``: no line)."""
+        points = binding_points(self.trials, max(self.target, 1))
+        model = fit_linear(points)
+        if model is None:
+            return None
+        return model.largest_within(self.target)
+
+    def run(self, probe: Callable[[int], Outcome] | None, max_probes: int) -> int:
+        misses = 0
+        for _ in range(max_probes + 1):
+            within, above = self.bounds()
+            lower = self.smallest - self.step if within is None else within
+            if above - lower <= self.step:
+                break
+            predicted = self.predict()
+            # the lines misled twice (or there are none): bisect
+            guess = (lower + above) // 2 if predicted is None or misses >= 2 else predicted
+            size = min(max(guess // self.step * self.step, lower + self.step), above - self.step)
+            if probe is None:
+                return size
+            if within is not None and size <= within:
+                break
+            outcome = probe(size)
+            self.trials.append(
+                Trial(size, outcome.fits, outcome.peak_bytes, outcome.error, outcome.parts,
+                      outcome.phases, outcome.curve)
+            )
+            if not outcome.fits or (outcome.peak_bytes or 0) > self.target:
+                misses += 1
+            else:  # within the target (or unmeasured: trusted); the lines aimed at the largest
+                return size
+        within, _ = self.bounds()
+        return self.smallest if within is None else within

@@ -1,8 +1,10 @@
 """How exact and how cheap is the batch-size search, next to the other tools? (not run in CI)
 
-For an MLP, a conv net with BatchNorm and a small transformer, each trained with Adam, the
-simulated GPU's capacity is chosen so that the true largest batch B* lands on a target (37,
-100, 1000, 4097, 20000 for the MLP; 37, 100, 1000 for the others by default). B* itself is
+For an MLP, a conv net with BatchNorm and a small transformer, each trained with Adam, and a
+tiny MLP 16-32-32-4 trained with AdamW (about 500 bytes per sample, less than one 512-byte
+allocator block), the simulated GPU's capacity is chosen so that the true largest batch B*
+lands on a target (37, 100, 1000, 4097, 20000 for the MLP; 32, 100, 1000, 10000, 100000 for the
+tiny MLP; 37, 100, 1000 for the others by default). B* itself is
 not taken from any model: it is the largest n for which two real training steps fit in a
 fresh ``SimulatedGPU(capacity)``, checked at B* (fits) and B*+1 (does not).
 
@@ -49,7 +51,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import autobatch
 from autobatch.testing import OOM_KINDS, SimulatedGPU
-from autobatch.testing.models import WORKLOADS
+from autobatch.testing.models import WORKLOADS, mlp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _peers import PEERS, Peer  # a sibling module of this script
@@ -60,6 +62,7 @@ TARGETS: dict[str, tuple[int, ...]] = {
     "mlp": (37, 100, 1000, 4097, 20000),
     "conv": (37, 100, 1000),
     "transformer": (37, 100, 1000),
+    "tiny-mlp": (32, 100, 1000, 10000, 100000),
 }
 QUICK_TARGETS: dict[str, tuple[int, ...]] = {"mlp": (37, 100, 1000)}
 
@@ -96,6 +99,14 @@ class Setup:
 
 def make_setup(name: str) -> Setup:
     torch.manual_seed(0)
+    if name == "tiny-mlp":  # ~500 bytes per sample: the peak is a staircase of 512-byte blocks
+        model = mlp(width=32, depth=2, inputs=16, classes=4)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        inputs, labels = torch.randn(SAMPLE_ROWS, 16), torch.randint(0, 4, (SAMPLE_ROWS,))
+        setup = Setup(name, model, optimizer, inputs, labels)
+        Runner(setup, model, optimizer).step(8)
+        optimizer.zero_grad(set_to_none=True)
+        return setup
     workload = WORKLOADS[name]
     model = workload.model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -535,7 +546,8 @@ def header(peers: list[Peer], missing: list[str]) -> str:
         "# Batch-size search: ours and the peers on a simulated GPU",
         "",
         "Produced by `python benchmarks/bench_search.py`. Each tool starts from the same model "
-        "and Adam optimizer (state resident) inside `SimulatedGPU(capacity)`; B* is the largest "
+        "and Adam optimizer (AdamW for the tiny MLP 16-32-32-4; state resident) inside "
+        "`SimulatedGPU(capacity)`; B* is the largest "
         "batch whose two real training steps fit in that capacity, checked at B* and B*+1. "
         "Trials are the sizes a tool ran (consecutive steps at one size are one trial); samples "
         "are all rows it ran (Lightning runs 3 steps per trial); \"state unchanged\" compares "

@@ -18,3 +18,26 @@ class Branchy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.body(x)
         return out * 2 if x.shape[0] > 16 else out
+
+
+def gpt2(layers: int = 2, width: int = 64, vocab: int = 1000, positions: int = 128) -> nn.Module:
+    """A Hugging Face GPT-2 language model from a small config, with random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=layers, n_embd=width, n_head=2, vocab_size=vocab, n_positions=positions,
+        bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def bert(layers: int = 2, width: int = 64, vocab: int = 1000, classes: int = 4) -> nn.Module:
+    """A Hugging Face BERT sequence classifier from a small config, with random weights."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        num_hidden_layers=layers, hidden_size=width, num_attention_heads=2,
+        intermediate_size=2 * width, vocab_size=vocab, max_position_embeddings=128,
+        num_labels=classes,
+    )
+    return BertForSequenceClassification(config)

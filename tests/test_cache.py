@@ -404,3 +404,161 @@ def test_search_key_reads_the_device_and_the_options() -> None:
             assert key(small) != base
     with SimulatedGPU("4MiB"):
         assert key(memory_for("cpu")) != base
+
+
+# --------------------------------------------------------------------------- module settings
+
+
+def _conv(stride: int = 1, dilation: int = 1) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=stride, dilation=dilation), nn.ReLU(), nn.Flatten(1)
+    )
+
+
+class _Attention(nn.Module):
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.attention(x, x, x, need_weights=False)[0]
+        return out
+
+
+def _gpt2(checkpointing: bool = False) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
+                   bos_token_id=0, eos_token_id=0)
+    )
+    if checkpointing:
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    return model
+
+
+@pytest.mark.parametrize(
+    ("setting", "one", "other"),
+    [
+        ("conv stride", lambda: _conv(stride=4), lambda: _conv(stride=1)),
+        ("conv dilation", lambda: _conv(dilation=1), lambda: _conv(dilation=3)),
+        ("attention heads", lambda: _Attention(1), lambda: _Attention(8)),
+        ("pooling kernel", lambda: nn.MaxPool2d(2), lambda: nn.MaxPool2d(1)),
+        ("upsampling", lambda: nn.Upsample(scale_factor=1), lambda: nn.Upsample(scale_factor=4)),
+        ("dropout", lambda: nn.Dropout(0.0), lambda: nn.Dropout(0.5)),
+        ("train or eval", lambda: nn.Dropout(0.5), lambda: nn.Dropout(0.5).eval()),
+        ("gradient checkpointing", _gpt2, lambda: _gpt2(checkpointing=True)),
+    ],
+)
+def test_module_settings_that_are_not_parameters_change_the_key(
+    setting: str, one: Any, other: Any
+) -> None:
+    assert _key(model=one()) == _key(model=one()), setting
+    assert _key(model=one()) != _key(model=other()), setting
+
+
+_KEY_IN_A_PROCESS = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+    from autobatch._cache import fingerprint
+
+    models = [
+        GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                   n_positions=32, bos_token_id=0, eos_token_id=0)),
+        BertModel(BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                             intermediate_size=64, vocab_size=100)),
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2,
+                              enable_nested_tensor=False),
+    ]
+    for model in models:
+        print(fingerprint(model, torch.zeros(1, 8, dtype=torch.long), device_name="cuda:0",
+                          capacity_bytes=2**30))
+    """
+)
+
+
+def test_keys_of_real_models_are_the_same_in_every_process() -> None:
+    """Nothing that changes with the process (addresses, hashes of objects) enters the key."""
+    processes = [  # two at once: each mostly waits for torch and transformers to import
+        subprocess.Popen([sys.executable, "-c", _KEY_IN_A_PROCESS], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for _ in range(2)
+    ]
+    outputs = [process.communicate(timeout=180) for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs[0][1]
+    assert outputs[0][0] == outputs[1][0]
+    assert len(set(outputs[0][0].split())) == 3
+
+
+class _Opaque:
+    """An object that describes itself only by its address."""
+
+    __slots__ = ()
+
+
+class _HoldsAnOpaqueObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+        self.helper = _Opaque()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def test_a_model_that_cannot_be_fingerprinted_is_never_cached(tmp_path: Path) -> None:
+    model, sample = _HoldsAnOpaqueObject(), torch.randn(2, 8)
+    for _ in range(2):
+        with SimulatedGPU("2MiB") as gpu:
+            gpu.adopt(model)
+            with pytest.warns(UserWarning, match="cannot be fingerprinted reliably"):
+                result = search_batch_size(model, sample, torch.optim.SGD, cache=tmp_path)
+        assert not any("from the cache" in note for note in result.notes)
+        assert any("not cached" in note for note in result.notes)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stride_change_is_measured_again_not_served_from_the_cache(tmp_path: Path) -> None:
+    """The issue's case: the same conv net with stride 4, then stride 1, through the cache."""
+    sample = torch.randn(1, 3, 32, 32)
+    found = []
+    for stride in (4, 1):
+        model = _conv(stride=stride)
+        with SimulatedGPU("4MiB") as gpu:
+            gpu.adopt(model)
+            result = search_batch_size(model, sample, torch.optim.SGD, cache=tmp_path)
+        assert not any("from the cache" in note for note in result.notes)
+        found.append(result.max_batch_size)
+    assert found[0] > 4 * found[1]  # a quarter of the rows in each dimension: far more fit
+
+
+@pytest.mark.parametrize(
+    ("change", "value"),
+    [
+        ("batch_size", "Infinity"),
+        ("batch_size", "-5"),
+        ("max_batch_size", "1e400"),
+        ("batch_size", "NaN"),
+        ("batch_size", "true"),
+        ("headroom", "-0.5"),
+        ("capacity_bytes", "0"),
+        ("trials", "[]"),
+        ("memory_model", '{"fixed": 1, "per_sample": -3}'),
+        ("notes", "[" * 100_000 + "]" * 100_000),
+    ],
+)
+def test_damaged_stored_results_warn_and_miss_never_crash_or_return(
+    tmp_path: Path, searched: Any, change: str, value: str
+) -> None:
+    data = result_to_dict(searched)
+    data[change] = "@@"
+    text = json.dumps({"format": 1, "key": KEY, "created": 0, "value": data})
+    (tmp_path / f"{KEY}.json").write_text(text.replace('"@@"', value))
+    with pytest.warns(UserWarning, match="autobatch cache"):
+        got, hit = cached_search(ResultCache(tmp_path), lambda: KEY, lambda: searched)
+    assert hit is None
+    assert got is searched

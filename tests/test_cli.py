@@ -45,6 +45,46 @@ MODELS = textwrap.dedent(
 
     def not_a_model():
         return 3
+
+
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 2)
+
+        def forward(self, x):
+            raise ValueError("picky: this model refuses every input")
+
+
+    def picky():
+        return Picky()
+
+
+    def gpt2():
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000,
+                                          n_positions=128, bos_token_id=0, eos_token_id=0))
+
+
+    class NextToken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(1000, 64)
+            self.head = nn.Linear(64, 1000)
+
+        def forward(self, tokens):
+            return self.head(torch.relu(self.embed(tokens)))
+
+
+    def next_token():
+        return NextToken()
+
+
+    def masked_tokens():
+        ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     """
 )
 MLP = ["--model", "tinymodels:mlp", "--sample-shape", "512", "--labels", "classes:10"]
@@ -360,3 +400,173 @@ def test_real_cpu_search_needs_a_limit_and_says_no_statistics(
     out = capsys.readouterr().out
     assert "largest batch that fits: 16" in out
     assert "this device keeps no memory statistics" in out
+
+
+# --------------------------------------------------------------------------- exit codes, --json
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["find", *MLP, "--simulate", "1e999"], "--simulate='1e999' is not a size"),
+        (["plan", *MLP, "--capacity", "1e999"], "--capacity='1e999' is not a size"),
+        (["plan", *MLP, "--capacity", "nan"], "--capacity='nan' is not a size"),
+        (["find", *MLP, "--max-batch", "0", "--simulate", "1MiB"], "--max-batch must be"),
+        (["best", *MLP, "--tolerance", "3", "--simulate", "1MiB"], "--tolerance must be"),
+        (["demo", "--headroom", "-1"], "--headroom must be"),
+        (["plan", *MLP, "--capacity", "1MiB", "--overhead", "2MiB"], "--overhead 2MiB"),
+    ],
+)
+def test_sizes_and_options_that_make_no_sense_are_usage_errors(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    args: list[str], message: str,
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_a_value_error_in_the_users_forward_is_a_run_error_not_a_usage_error(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["find", "--model", "tinymodels:picky", "--sample-shape", "8", "--simulate", "1MiB",
+            "--no-cache"]
+    assert main(args) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "picky: this model refuses every input" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["find", *MLP, "--simulate", "1e999", "--json"], 2, "is not a size"),
+        (["find", *MLP, "--optimizer", "lamb", "--json"], 2, "invalid choice"),
+        (["find", "--model", "tinymodels:picky", "--sample-shape", "8", "--simulate", "1MiB",
+          "--no-cache", "--json"], 1, "picky"),
+        (["find", "--model", "tinymodels:huge", "--sample-shape", "2048", "--simulate", "4MiB",
+          "--json"], 3, "does not fit"),
+    ],
+)
+def test_json_errors_print_one_object_with_the_error(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    args: list[str], code: int, message: str,
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    assert main(args) == code
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)  # stdout holds exactly one JSON object
+    assert message in document["error"]
+    assert document["exit_code"] == code
+    assert document["command"] == "find"
+    assert message in captured.err  # and the one line on stderr, as without --json
+
+
+def test_numpy_is_installed_with_the_package_and_the_cli_does_not_warn(workdir: Path) -> None:
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).resolve().parent.parent / "setup.cfg")
+    requires = config["options"]["install_requires"].split()
+    assert "numpy" in requires  # torch warns "Failed to initialize NumPy" on import without it
+    result = run(workdir, "--version")
+    assert result.returncode == 0
+    assert "NumPy" not in result.stderr
+
+
+# --------------------------------------------------------------------------- language models
+
+
+def _largest(main_args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main([*main_args, "--json", "--no-cache", "--headroom", "0"]) == 0
+    document: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return document
+
+
+@pytest.mark.parametrize("model", ["gpt2", "next_token"])
+def test_a_language_model_without_labels_is_never_cheaper_than_its_real_loss(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    model: str,
+) -> None:
+    """The issue's case: token ids and no labels. The stand-in loss keeps what a cross-entropy
+    over the vocabulary keeps, so the size is at most the one the real loss allows (the sum of
+    means found a size whose real training step ran out of memory)."""
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["find", "--model", f"tinymodels:{model}", "--sample-shape", "128", "--dtype", "int64",
+            "--simulate", "24MiB"]
+    stand_in = _largest(args, capsys)["max_batch_size"]
+    if model == "gpt2":  # training at that size with the model's own loss fits
+        assert _gpt2_trains(stand_in, "24MiB")
+    real = _largest([*args, "--labels", "tokens"], capsys)["max_batch_size"]
+    assert 1 <= stand_in <= real
+
+
+def _gpt2_trains(n: int, capacity: str) -> bool:
+    """Do two AdamW steps of tinymodels.gpt2 on n rows of 128 tokens, with the model's own
+    loss (labels = the tokens), fit in a fresh simulated GPU of ``capacity``?"""
+    import tinymodels  # type: ignore[import-not-found]
+    import torch
+
+    from autobatch.testing import SimulatedGPU
+
+    model = tinymodels.gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    tokens = torch.zeros(n, 128, dtype=torch.long)
+    try:
+        with SimulatedGPU(capacity) as gpu:
+            gpu.adopt(model)
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                model(input_ids=tokens, labels=tokens).loss.backward()
+                opt.step()
+    except torch.OutOfMemoryError:
+        return False
+    return True
+
+
+def test_labels_tokens_trains_with_the_models_own_loss(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["find", "--model", "tinymodels:gpt2", "--sample-shape", "128", "--dtype", "int64",
+            "--simulate", "24MiB", "--labels", "tokens"]
+    found = _largest(args, capsys)["max_batch_size"]
+    assert _gpt2_trains(found, "24MiB")
+    assert not _gpt2_trains(found + 1, "24MiB")
+
+
+def test_a_loss_that_cannot_take_a_model_output_says_what_came_back(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["find", "--model", "tinymodels:gpt2", "--sample-shape", "16", "--dtype", "int64",
+            "--labels", "classes:10", "--simulate", "64MiB", "--no-cache"]
+    assert main(args) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "the model returned CausalLMOutputWithCrossAttentions" in line
+    assert "loss_fn=cross_entropy" in line
+    assert "output.logits" in line  # what to pass instead
+
+
+def test_labels_tokens_needs_token_ids(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    assert main(["find", *MLP[:2], "--sample-shape", "8", "--labels", "tokens"]) == 2
+    assert "--labels tokens needs token ids" in capsys.readouterr().err
+
+
+def test_plan_of_a_hugging_face_model_with_an_attention_mask_warns_and_plans(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    args = ["plan", "--model", "tinymodels:gpt2", "--sample", "tinymodels:masked_tokens",
+            "--capacity", "32MiB", "--headroom", "0"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "warning: plan_max_batch cannot run the step on the meta device" in captured.err
+    assert "Tensor.item()" in captured.err
+    assert "predicted largest batch:" in captured.out
+    assert "planned from" in captured.out  # the note says how

@@ -1026,3 +1026,27 @@ def test_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "ooms=" in out
     assert "shrinks=" in out
+
+
+def test_recovery_keeps_the_users_peak_statistic() -> None:
+    """Micro-batches reset the device's peak counter to learn their cost; afterwards it reads
+    what the device really reached, the user's own earlier peak included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        opt.step()
+
+    with SimulatedGPU("4MiB") as gpu:
+        gpu.adopt(model, opt)
+        with torch.no_grad():
+            big = torch.empty(3 * 2**20, dtype=torch.uint8)  # the user's own high point
+        del big
+        theirs = gpu.peak_bytes
+        step((torch.randn(4096, 64), torch.randint(0, 10, (4096,))))  # runs out, recovers
+        assert step.stats.ooms >= 1  # type: ignore[attr-defined]
+        assert gpu.peak_bytes >= theirs

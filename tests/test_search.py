@@ -30,6 +30,7 @@ from autobatch.search import (
     fit_linear,
     recommend,
     search,
+    trusted_curve,
 )
 
 GIB = 2**30
@@ -594,6 +595,52 @@ def test_recommend_never_exceeds_the_answer() -> None:
     assert recommend(found, capacity_bytes=10**9, headroom=0.5) == 50
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 40 * MIB), st.integers(0, 200_000)), min_size=1, max_size=4
+    ),
+    st.sampled_from([0.05, 0.1, 0.2, 0.3, 0.5]),
+    st.sampled_from([1, 8]),
+)
+def test_recommended_peak_is_within_the_headroom_on_any_bent_curve(
+    lines: list[tuple[int, int]], headroom: float, multiple_of: int
+) -> None:
+    """The step's peak is the maximum of its parts (each affine, rounded to 512-byte blocks):
+    the recommended size's peak is at most (1 - headroom) of the capacity whichever part binds
+    there, or it is the smallest size and every size's peak is above it."""
+    capacity = 64 * MIB
+    assume(any(per_sample > 0 for _, per_sample in lines))
+
+    def parts(n: int) -> tuple[int, ...]:
+        return tuple(rounded(fixed + per_sample * n, 512) for fixed, per_sample in lines)
+
+    def probe(n: int) -> Outcome:
+        peak = max(parts(n))
+        return Outcome(fits=peak <= capacity, peak_bytes=peak, parts=parts(n))
+
+    assume(probe(multiple_of).fits)
+    outcome = search(probe, capacity_bytes=capacity, multiple_of=multiple_of)
+    assert outcome.largest_fit is not None
+    asked: list[int] = []
+
+    def counting(n: int) -> Outcome:
+        asked.append(n)
+        return probe(n)
+
+    size = recommend(outcome, capacity_bytes=capacity, headroom=headroom,
+                     multiple_of=multiple_of, probe=counting)
+    target = (1 - headroom) * capacity
+    assert size % multiple_of == 0
+    assert size <= outcome.largest_fit
+    assert len(asked) <= 6
+    if max(parts(size)) > target:
+        assert size == multiple_of
+    assert recommend(outcome, capacity_bytes=capacity, multiple_of=multiple_of) == (
+        outcome.largest_fit // multiple_of * multiple_of
+    )
+
+
 def test_recommend_checks_its_arguments() -> None:
     found = SearchOutcome(largest_fit=None, smallest_fail=1, trials=(), model=None)
     with pytest.raises(ValueError, match="largest_fit"):
@@ -759,3 +806,43 @@ def test_thousands_of_parts_are_cheap() -> None:
     points = binding_points(trials, 2**40)
     assert time.perf_counter() - started < 1.0  # ~20 ms: each distinct series, in floats
     assert [size for size, _ in points] == [2, 8, 300, 1000]
+
+
+# --- a probe's own curve ----------------------------------------------------------------------
+
+
+def _staircase(storages: list[tuple[int, int]], capacity: int, honest: bool = True) -> Callable[[int], Outcome]:
+    """A step whose peak is the sum of its storages, each rounded up to 512 bytes, that reports
+    its exact curve (or, ``honest=False``, one that is off by a block beyond size 50)."""
+
+    def peak(n: int) -> int:
+        return 100_000 + sum(rounded(a * n + b, 512) for a, b in storages)
+
+    def told(n: int) -> int:
+        return peak(n) - (512 if not honest and n > 50 else 0)
+
+    def probe(n: int) -> Outcome:
+        return Outcome(fits=peak(n) <= capacity, peak_bytes=peak(n), curve=told)
+
+    return probe
+
+
+@pytest.mark.parametrize("target", [37, 1000, 20_000, 300_000])
+def test_a_probes_exact_curve_ends_the_search_in_four_trials(target: int) -> None:
+    storages = [(64, 0), (128, 16), (16, 8), (8, 0), (128, 0)]  # 344 bytes per sample
+    per = lambda n: 100_000 + sum(rounded(a * n + b, 512) for a, b in storages)  # noqa: E731
+    capacity = (per(target) + per(target + 1)) // 2
+    outcome = search(_staircase(storages, capacity), capacity_bytes=capacity)
+    assert outcome.largest_fit is not None
+    assert per(outcome.largest_fit) <= capacity < per(outcome.largest_fit + 1)
+    assert len(outcome.trials) <= 4, outcome.sizes
+
+
+def test_a_curve_that_misses_a_measured_peak_is_not_trusted() -> None:
+    storages = [(64, 0), (128, 16), (16, 8)]
+    per = lambda n: 100_000 + sum(rounded(a * n + b, 512) for a, b in storages)  # noqa: E731
+    capacity = (per(1000) + per(1001)) // 2
+    outcome = search(_staircase(storages, capacity, honest=False), capacity_bytes=capacity)
+    assert outcome.largest_fit is not None
+    assert per(outcome.largest_fit) <= capacity < per(outcome.largest_fit + 1)  # still exact
+    assert trusted_curve(outcome.trials, capacity) is None

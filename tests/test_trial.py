@@ -130,3 +130,43 @@ def test_compiled_models_get_no_operator_parts() -> None:
     in_place = mlp()
     in_place.compile()
     assert not per_operator_possible(in_place)
+
+
+@pytest.mark.parametrize("shape", [(8, 64, 1000), (64, 10), (4, 3, 16, 16)])
+def test_the_stand_in_loss_keeps_at_least_what_a_cross_entropy_keeps(
+    shape: tuple[int, ...],
+) -> None:
+    """Without a loss_fn or labels the stand-in must not be cheaper than a training loss: a
+    language model's cross-entropy over its vocabulary keeps the log-probabilities."""
+    from autobatch._trial import loss_of
+
+    def peak(loss: Callable[[torch.Tensor], torch.Tensor]) -> int:
+        with SimulatedGPU(2**40) as gpu:
+            weight = torch.randn(shape[-1], shape[-1], requires_grad=True)
+            logits = torch.randn(shape) @ weight
+            gpu.reset_peak()
+            loss(logits).backward()
+        return gpu.peak_bytes
+
+    def real(logits: torch.Tensor) -> torch.Tensor:
+        flat = logits.flatten(0, -2)
+        return CE(flat, torch.zeros(flat.shape[0], dtype=torch.long))
+
+    assert peak(lambda out: loss_of(out, None, None)) >= peak(real)
+    assert peak(lambda out: loss_of({"logits": out}, None, None)) >= peak(real)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_the_storage_curve_of_two_small_trials_gives_the_peak_at_any_size(name: str) -> None:
+    """Each storage's bytes are a line in the batch size and each is rounded to 512 bytes:
+    two small trials give the simulator's peak at any other size to the byte."""
+    torch.manual_seed(0)
+    model = WORKLOADS[name].model()
+    with SimulatedGPU(2**40) as gpu:
+        gpu.adopt(model)
+        runner, _ = _runner(model, name=name)
+        runner(2)
+        curve = runner(8).curve
+        assert curve is not None
+        for size in (3, 77, 300):
+            assert curve(size) == runner(size).peak_bytes

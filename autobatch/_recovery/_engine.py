@@ -43,7 +43,7 @@ from autobatch._recovery._ranks import _Coordination, _peer_error, _PeerFailed
 from autobatch._recovery._records import SizeChange, _Tally
 from autobatch._recovery._results import _combine
 from autobatch._recovery._sizes import _Sizes, _TooSmall
-from autobatch._trial import _PhasePeaks
+from autobatch._trial import PeakKeeping, _PhasePeaks
 from autobatch._units import format_bytes
 
 logger = get_logger("recovery")
@@ -383,7 +383,7 @@ class _Engine:
             return self._whole(args, kwargs, batch, "it has no rows", failure)
         key = shape_key(batch)
         eps = max(elements_per_sample(batch), 1)
-        memory = memory_for(self._device(batch))
+        memory = PeakKeeping(memory_for(self._device(batch)))  # resets the user never sees
         statistics = memory.has_statistics
         self._current = batch  # for the log of a recovery; dropped when the call ends
         coord = self.coordinated()
@@ -488,6 +488,7 @@ class _Engine:
             self._current = None
             if session is not None:
                 session.close()
+            memory.restore_peak()
         if split:
             self.learn_splits = max(self.learn_splits - 1, 0)
         elif attempt is not None:
