@@ -268,10 +268,11 @@ def search_batch_size(
             make_batch, work.step, memory, steps_per_trial=steps_per_trial,
             cleanup=work.drop_gradients, per_operator=per_operator_possible(model),
         )
+        probe = _distributed.trials_in_lockstep(runner, model, sync=sync)  # (FSDP2)
         if work.optimizer is not None:
             _prime(work.optimizer, model, min_batch, capacity, memory.name, sync)
         outcome = search(
-            _agreeing(runner) if sync else runner,
+            _agreeing(probe) if sync else probe,
             min_size=min_batch,
             max_size=max_batch,
             multiple_of=multiple_of,
@@ -313,7 +314,7 @@ def search_batch_size(
     return result
 
 
-def _agreeing(runner: TrialRunner) -> Callable[[int], Outcome]:
+def _agreeing(runner: Callable[[int], Outcome]) -> Callable[[int], Outcome]:
     """The runner's probe, with every verdict agreed by all ranks: one collective per trial, and
     a second for the peaks of the parts when the trial fit everywhere.
 
