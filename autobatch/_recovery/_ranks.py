@@ -19,10 +19,13 @@ from torch.nn.parallel import DistributedDataParallel
 from autobatch import _distributed, _fsdp
 from autobatch._backends import free_memory
 from autobatch._errors import AutobatchError
+from autobatch._log import get_logger
 from autobatch._oom import is_oom_error
 from autobatch._recovery._accumulate import _Accumulation, _Patch
 from autobatch._recovery._attempt import _VERSION, _Failure, _Known, _strip_tracebacks
 from autobatch._recovery._records import _Tally
+
+logger = get_logger("recovery")
 
 
 class _Host(Protocol):
@@ -123,6 +126,9 @@ class _Coordination:
         self.syncing: list[tuple[nn.Module, list[bool]]] = []  # gradient sync to put back
         self.depth = 0  # FSDP2 forwards under way
         self.hooked_session: _Accumulation | None = None
+        self.held = 0  # pieces of this batch whose gradients FSDP holds unreduced
+        self.ran_sharded = False  # an FSDP2 forward ran in this attempt
+        self.reduce_each_piece = False  # FSDP2: every piece reduces (the held sums did not fit)
 
     # Votes ------------------------------------------------------------------------------------
 
@@ -156,7 +162,10 @@ class _Coordination:
 
     def finish(self, code: int) -> list[int]:
         """The attempt's verdict: every rank's code (one vote, unless one already saw a failure)."""
-        return self.settled if self.settled is not None else self._vote(code)
+        codes = self.settled if self.settled is not None else self._vote(code)
+        if self.ran_sharded:
+            self._sharded_verdict(ok=max(codes) == _distributed.OK)
+        return codes
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank."""
@@ -195,6 +204,8 @@ class _Coordination:
         if session is not None and session is not self.hooked_session:
             self.hooked_session = session  # FSDP's sums go when the batch starts over
             session.on_restart.append(self._forget_sharded_gradients)
+            self.held = 0
+        self.ran_sharded = False
         gate = None
         if self.collectives or self.sharded or self.watched < GATE_ATTEMPTS:
             # (a DDP forward under way has its collectives agreed before it: see _before_forward)
@@ -241,9 +252,10 @@ class _Coordination:
                 self.known_roots[id(module)] = module
             if all(module is not r for r in self.roots):
                 self.roots.append(module)
-            if not self.last:  # FSDP sums the pieces' gradients; the last piece reduces them
-                self.syncing.append((module, _fsdp.gradient_sync(module)))
+            if not (self.last or self.reduce_each_piece):  # FSDP sums the pieces' gradients;
+                self.syncing.append((module, _fsdp.gradient_sync(module)))  # the last reduces
                 module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self.ran_sharded = True
         self.depth += 1
 
     def _sharded_forward_done(self, module: nn.Module) -> None:
@@ -251,7 +263,28 @@ class _Coordination:
         parameters): its unsharded parameters accumulate in place across the pieces."""
         self.depth = max(self.depth - 1, 0)
         if self.session is not None:
-            self.session.accumulate_in_place(_fsdp.unsharded_parameters(module, recurse=False))
+            params = _fsdp.unsharded_parameters(module, recurse=False)
+            if self.reduce_each_piece:  # (reduced at the end of each backward: none held)
+                self.session.track(params)
+            else:
+                self.session.accumulate_in_place(params)
+
+    def _sharded_verdict(self, ok: bool) -> None:
+        """After an attempt that ran FSDP2 (the same verdict on every rank). An attempt that
+        failed while FSDP held the earlier pieces' unreduced gradients (as big as the unsharded
+        model's) makes every later piece reduce its own: the pieces' sum then lives in the
+        sharded gradients (autobatch's buffers), at the cost of a reduce-scatter per piece."""
+        if self.hooked_session is None or self.reduce_each_piece:
+            return
+        if ok:
+            self.held = 0 if self.last else self.held + 1
+        elif self.held:
+            self.reduce_each_piece = True
+            logger.info(
+                "%s: FSDP2 gradients are reduced after every micro-batch from now on (the "
+                "unreduced sums of earlier micro-batches left too little memory)",
+                self.engine.name,
+            )
 
     def _end_sharded(self, failed: bool, whole: bool) -> None:
         """After an attempt: gradient sync as the user set it; after a failure, FSDP's
@@ -270,6 +303,7 @@ class _Coordination:
 
     def _forget_sharded_gradients(self) -> None:
         """The batch starts over: FSDP's sums of the earlier pieces go too."""
+        self.held = 0
         for root in self.known_roots.values():
             _fsdp.drop_gradients(root)
 
