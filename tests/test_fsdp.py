@@ -7,6 +7,10 @@ FSDP2 is meant to be used; each rank simulates its own GPU where memory matters.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -369,6 +373,12 @@ def test_guard_recovers_an_oom_on_one_rank_in_forward_and_backward_exactly(tmp_p
         split = zero[key]["collectives"][2]
         assert split["scatter"] == whole["scatter"] == 4, (key, split, whole)  # 3 blocks + root
         assert split["gather"] >= 2 * whole["gather"], (key, split, whole)
+    # An OOM while FSDP held the earlier pieces' unreduced gradients: from then on every piece
+    # reduces its own (the sums then live in the sharded gradients), exactly all the same
+    for key in ("forward (1, 3)", "backward (1, 3)"):
+        split = zero[key]["collectives"][2]
+        pieces = -(-8 // zero[key]["micro"])
+        assert split["scatter"] == 4 * pieces > 4, (key, split, pieces)
     # the failed last piece's backward had reduced part of the batch: the batch started over
     assert one["backward (1, 3)"]["recomputed"] == 8 + 8
     assert one["forward (1, 3)"]["recomputed"] == 8 + 4  # its forward had added nothing
@@ -443,3 +453,20 @@ def test_independent_ranks_are_refused_for_a_sharded_step(tmp_path: Path) -> Non
     for result in run_ranks(_independent, 2, tmp_path, timeout=90):
         assert "sync_ranks=False" in result["error"], result
         assert "FSDP2" in result["error"], result
+
+
+def test_torchrun_fsdp2_example_finds_and_trains_in_step_on_every_rank() -> None:
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         str(root / "examples" / "train_fsdp2_torchrun.py")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    # (two processes share the pipe: their lines may run together, so match, don't split)
+    found = dict(re.findall(
+        r"rank (\d): (batch size \d+; 4 steps of \d+, [1-9]\d* OOM, micro-batch \d+; "
+        r"parameter checksum -?\d+\.\d{10})", run.stdout,
+    ))
+    assert sorted(found) == ["0", "1"], run.stdout
+    assert found["0"] == found["1"]
