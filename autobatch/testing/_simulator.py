@@ -299,8 +299,11 @@ class SimulatedGPU:
             _active.remove(self)
             _backends._overrides.remove(self._memory_for)
             self._entered = False
-            if not _active:
-                del torch.UntypedStorage.resize_  # back to torch's own (inherited) method
+            if not _active:  # torch's own method again
+                if _OWN_RESIZE is None:
+                    del torch.UntypedStorage.resize_  # (inherited from the C base)
+                else:
+                    torch.UntypedStorage.resize_ = _OWN_RESIZE  # type: ignore[method-assign]
 
     def _resized(self, storage: torch.UntypedStorage, old: int) -> None:
         """Count a storage resized in place, where this simulator counts (its mode is active
@@ -342,7 +345,8 @@ class SimulatedGPU:
         )
 
 
-_RESIZE = vars(torch._C.StorageBase)["resize_"]  # torch's own, which UntypedStorage inherits
+_OWN_RESIZE = vars(torch.UntypedStorage).get("resize_")  # (None: inherited, as in torch 2.13)
+_RESIZE = _OWN_RESIZE or vars(torch._C.StorageBase)["resize_"]
 
 
 def _resize_counted(storage: torch.UntypedStorage, size: int) -> Any:
