@@ -304,9 +304,13 @@ def _tensors(values: tuple[Any, ...] | list[Any]) -> list[torch.Tensor]:
     return found
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _wraps(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a subclass that wraps others (checked last for plain tensors)."""
-    return type(tensor) is not torch.Tensor and bool(is_traceable_wrapper_subclass(tensor))
+    """Whether ``tensor`` is a subclass that wraps others (plain tensors and parameters are
+    told apart by their type alone: this runs for every argument of every operator)."""
+    return type(tensor) not in _PLAIN and bool(is_traceable_wrapper_subclass(tensor))
 
 
 def _inner(tensor: torch.Tensor) -> list[torch.Tensor]:
