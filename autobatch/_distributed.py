@@ -291,6 +291,9 @@ def trials_in_lockstep(
     each FSDP root's per-iteration state is reset and unreduced gradients are dropped, so the
     next trial starts as the first did.
 
+    Without agreement (a process group of one rank), trials run as they are, and FSDP's state
+    is cleaned up all the same after a trial that did not fit.
+
     Refused with :class:`~autobatch.AutobatchError`, on every rank before any trial: FSDP1
     (``FullyShardedDataParallel``), FSDP2 with ``sync=False`` under a process group (its
     collectives need every rank), CPU offload, and tensor parallelism under FSDP2 (see
@@ -306,18 +309,29 @@ def trials_in_lockstep(
     roots = _fsdp.roots(model)
     if not roots:
         return runner
-    if not sync:
-        if active():
-            raise AutobatchError(
-                "sync_ranks=False cannot search a model sharded with FSDP2: every step gathers "
-                "parameters from every rank, so the ranks' trials cannot be independent. Use "
-                "sync_ranks=True (the default)"
-            )
-        return runner
+    if not sync and active():
+        raise AutobatchError(
+            "sync_ranks=False cannot search a model sharded with FSDP2: every step gathers "
+            "parameters from every rank, so the ranks' trials cannot be independent. Use "
+            "sync_ranks=True (the default)"
+        )
     for root in roots:
         problem = _fsdp.unsupported(root, finder=True)
         if problem is not None:
             raise AutobatchError(problem)
+    if not sync:  # one rank: nothing to agree on, but FSDP's state to clean up all the same
+
+        def alone(size: int) -> V:
+            try:
+                outcome = runner(size)
+            except BaseException:
+                _reset(roots)
+                raise
+            if not outcome.fits:
+                _reset(roots)
+            return outcome
+
+        return alone
     world = dist.get_world_size()
 
     def trial(size: int) -> V:

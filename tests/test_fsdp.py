@@ -455,6 +455,37 @@ def test_independent_ranks_are_refused_for_a_sharded_step(tmp_path: Path) -> Non
         assert "FSDP2" in result["error"], result
 
 
+def _one_rank(rank: int) -> dict[str, Any]:
+    """FSDP2 under a process group of one rank: the finder cleans up after its failed trials;
+    the guard, which keeps FSDP exact only through the ranks' agreement, refuses."""
+    model = _sharded(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _default_step(model, opt, 4, 0)
+    before = _state(model, opt)
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model, opt)
+        allocated = gpu.allocated_bytes
+        result = autobatch.search_batch_size(
+            model, lambda n: _tokens(n, 1), opt, loss_fn=nn.functional.cross_entropy,
+            headroom=0, max_batch=4096,
+        )
+        after = gpu.allocated_bytes
+    exact = all(torch.equal(a, b) for a, b in zip(before, _state(model, opt), strict=True))
+    sharded = all(hasattr(p, "to_local") for p in model.parameters())  # (resharded)
+    guard = _independent(1)
+    return {"fits": [t.fits for t in result.trials], "allocated": [allocated, after],
+            "exact": exact, "sharded": sharded, "guard": guard["error"]}
+
+
+def test_one_rank_finder_cleans_up_and_guard_refuses(tmp_path: Path) -> None:
+    (only,) = run_ranks(_one_rank, 1, tmp_path, timeout=90)
+    assert False in only["fits"], only  # some trial ran out of memory part-way
+    assert only["allocated"][0] == only["allocated"][1]
+    assert only["exact"]
+    assert only["sharded"]
+    assert "FSDP2 on a single rank" in only["guard"], only
+
+
 def test_torchrun_fsdp2_example_finds_and_trains_in_step_on_every_rank() -> None:
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run(

@@ -60,10 +60,13 @@ def _peer_error(codes: list[int], where: str) -> AutobatchError:
 
 
 def _refuse_independent_shards(name: str, modules: list[nn.Module], failure: _Failure) -> None:
-    """Under ``sync_ranks=False`` an OOM is recovered on its rank alone, which a step that runs
-    an FSDP2 module under a process group cannot do: the other ranks would wait in its next
-    collective. Raise instead of leaving them to hang."""
-    if _distributed.active() and _fsdp.sharded(modules):
+    """An OOM recovered without agreement (``sync_ranks=False``, or a process group of one
+    rank), in a step that runs an FSDP2 module: refused. Alone, a rank would leave the others
+    waiting in its next collective; and FSDP's gradients and per-iteration state are kept
+    exact only by the agreement (:class:`_Coordination`)."""
+    if not _fsdp.sharded(modules):
+        return
+    if _distributed.active():
         raise AutobatchError(
             f"{name} ran out of memory ({failure.kind}) in a step that runs a model sharded "
             "with FSDP2, under retry_on_oom(sync_ranks=False): its forward and backward gather "
@@ -71,6 +74,12 @@ def _refuse_independent_shards(name: str, modules: list[nn.Module], failure: _Fa
             "wait in its next collective. Use sync_ranks=True (the default), which recovers on "
             "every rank together"
         ) from failure.exc
+    raise AutobatchError(
+        f"{name} ran out of memory ({failure.kind}) in a step that runs a model sharded with "
+        "FSDP2 on a single rank: autobatch recovers FSDP2 steps under a process group of two "
+        "or more ranks, where every rank agrees on each micro-batch. On one device, train the "
+        "model without fully_shard"
+    ) from failure.exc
 
 
 class _Coordination:
