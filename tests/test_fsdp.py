@@ -30,9 +30,11 @@ VOCAB, CLASSES, LENGTH = 50, 5, 8
 
 
 class Fault:
-    """An out-of-memory error (CUDA's own) on chosen calls of the middle block's first linear
-    layer: in its forward, or in the middle of the block's backward (a hook on that layer's
-    output runs once the layers after it in the block have their gradients)."""
+    """Something that goes wrong on chosen calls of the middle block's first linear layer: an
+    out-of-memory error (CUDA's own) in its forward (``"forward"``) or in the middle of the
+    block's backward (``"backward"``: a hook on that layer's output runs once the layers after
+    it in the block have their gradients), a bug (``"crash"``), or a rank that stops answering
+    for ``sleep`` seconds (``"sleep"``)."""
 
     def __init__(self) -> None:
         self.phase: str | None = None
