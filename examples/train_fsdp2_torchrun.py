@@ -52,7 +52,7 @@ def main() -> None:
     with simulated as gpu:
         if gpu is not None:
             gpu.adopt(model, optimizer)
-        size = autobatch.find_max_batch(model, sample, optimizer, loss_fn=loss_fn)
+        size = autobatch.find_max_batch(model, sample, optimizer, loss_fn=loss_fn, max_batch=4096)
         torch.manual_seed(rank)  # each rank its own data, as a DistributedSampler gives
         loader = [sample(2 * size) for _ in range(4)]
         with autobatch.oom_guard(loader) as guard:
