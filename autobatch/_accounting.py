@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 #: The CUDA caching allocator hands out blocks in multiples of 512 bytes (``kMinBlockSize`` in
 #: c10/cuda/CUDACachingAllocator.cpp); ``memory_allocated`` reports the rounded sizes.
@@ -91,7 +91,9 @@ def storages(objects: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
     """Every tensor storage reachable from modules, optimizers, tensors and nested containers.
 
     Modules give parameters, their gradients and buffers; optimizers give their state tensors
-    (and the parameters they hold); containers are walked.
+    (and the parameters they hold); containers are walked. A tensor subclass that wraps others
+    (a DTensor, whose own storage stands for the whole tensor across ranks) gives the storages
+    of the tensors it holds (a DTensor's local shard).
     """
     seen: set[int] = set()
     stack = list(objects)
@@ -101,7 +103,9 @@ def storages(objects: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj.layout is torch.strided:
+            if _wraps(obj):
+                stack.extend(_inner(obj))
+            elif obj.layout is torch.strided:
                 yield obj.untyped_storage()
             if obj.grad is not None:
                 stack.append(obj.grad)
@@ -286,14 +290,33 @@ def _may_alias(func: Any) -> bool:
 
 
 def _tensors(values: tuple[Any, ...] | list[Any]) -> list[torch.Tensor]:
-    """The tensors among operator arguments or results (which nest only in lists and tuples)."""
+    """The tensors among operator arguments or results (which nest only in lists and tuples);
+    a tensor subclass that wraps others (a DTensor) stands for the tensors it holds."""
     found: list[torch.Tensor] = []
     for value in values:
         if isinstance(value, torch.Tensor):
-            found.append(value)
+            if _wraps(value):
+                found += _tensors(_inner(value))
+            else:
+                found.append(value)
         elif isinstance(value, (list, tuple)):
             found += _tensors(value)
     return found
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _wraps(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a subclass that wraps others (plain tensors and parameters are
+    told apart by their type alone: this runs for every argument of every operator)."""
+    return type(tensor) not in _PLAIN and bool(is_traceable_wrapper_subclass(tensor))
+
+
+def _inner(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a wrapper subclass holds (``__tensor_flatten__``): a DTensor's local shard."""
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [t for t in (getattr(tensor, name) for name in names) if isinstance(t, torch.Tensor)]
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:

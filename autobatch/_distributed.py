@@ -4,20 +4,23 @@ The finder's helpers (:func:`all_max`, :func:`all_min`, :func:`failed_ranks`) ar
 an initialised process group of more than one rank; they use the default group's own backend
 (gloo on CPU tensors, nccl on the current CUDA device) between trials, never while the model's
 own collectives may be in flight. The guard's (:func:`vote`, :func:`agree_min`,
-:func:`agree_max`) run inside a training step, on a side gloo group of their own.
+:func:`agree_max`) run inside a training step, on a side gloo group of their own, and so do
+the votes inside the finder's trials of an FSDP2 model (:func:`trials_in_lockstep`).
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import distributed_c10d
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from autobatch import _fsdp
 from autobatch._errors import AutobatchError
 
 
@@ -252,3 +255,140 @@ class CollectiveGate(TorchDispatchMode):
         elif not func.overloadpacket.__name__.endswith("_") and "out" not in func._overloadname:
             self.allocated = True
         return func(*args, **kwargs)
+
+
+# The finder's trials of a sharded (FSDP2) model ----------------------------------------------
+
+
+class PeerOutOfMemory(AutobatchError, torch.OutOfMemoryError):
+    """Another rank ran out of memory in this trial: this rank stopped at its next collective,
+    which the other would never have joined. The trial failed for lack of memory (on that
+    rank), so it is an out-of-memory error (``torch.OutOfMemoryError``) to whoever classifies
+    it."""
+
+
+class _Verdict(Protocol):
+    @property
+    def fits(self) -> bool: ...
+
+
+V = TypeVar("V", bound=_Verdict)
+
+
+def trials_in_lockstep(
+    runner: Callable[[int], V], model: nn.Module, *, sync: bool
+) -> Callable[[int], V]:
+    """The finder's trial runner, kept in step across ranks inside each trial when ``model``
+    is sharded with FSDP2 (``runner`` itself otherwise).
+
+    FSDP2 all-gathers parameters and reduce-scatters gradients inside the trial's step: a rank
+    that ran out of memory would never join the next one. Each trial therefore runs under a
+    :class:`CollectiveGate` whose vote (on the side group) comes before every collective of the
+    step, and ends with one vote of its own (fits, out of memory, or failed), unless a vote in
+    it already saw a failure. A rank that learns of another's OOM at a vote raises
+    :class:`PeerOutOfMemory` there, so its trial fails too; one that learns of another's
+    non-OOM failure raises :class:`~autobatch.AutobatchError`. After a trial that did not fit,
+    each FSDP root's per-iteration state is reset and unreduced gradients are dropped, so the
+    next trial starts as the first did.
+
+    Without agreement (a process group of one rank), trials run as they are, and FSDP's state
+    is cleaned up all the same after a trial that did not fit.
+
+    Refused with :class:`~autobatch.AutobatchError`, on every rank before any trial: FSDP1
+    (``FullyShardedDataParallel``), FSDP2 with ``sync=False`` under a process group (its
+    collectives need every rank), CPU offload, and tensor parallelism under FSDP2 (see
+    :func:`autobatch._fsdp.unsupported`).
+    """
+    if any(_fsdp.kind(m) == "fsdp1" for m in model.modules()):
+        raise AutobatchError(
+            "the model is wrapped in FullyShardedDataParallel (FSDP1), whose collectives a rank "
+            "that ran out of memory in a trial would never join, and autobatch cannot put a "
+            "vote before them. Shard with FSDP2 instead (torch.distributed.fsdp.fully_shard): "
+            "find_max_batch runs its trials in lockstep on every rank"
+        )
+    roots = _fsdp.roots(model)
+    if not roots:
+        return runner
+    if not sync and active():
+        raise AutobatchError(
+            "sync_ranks=False cannot search a model sharded with FSDP2: every step gathers "
+            "parameters from every rank, so the ranks' trials cannot be independent. Use "
+            "sync_ranks=True (the default)"
+        )
+    for root in roots:
+        problem = _fsdp.unsupported(root, finder=True)
+        if problem is not None:
+            raise AutobatchError(problem)
+    if not sync:  # one rank: nothing to agree on, but FSDP's state to clean up all the same
+
+        def alone(size: int) -> V:
+            try:
+                outcome = runner(size)
+            except BaseException:
+                _reset(roots)
+                raise
+            if not outcome.fits:
+                _reset(roots)
+            return outcome
+
+        return alone
+    world = dist.get_world_size()
+
+    def trial(size: int) -> V:
+        settled: list[list[int]] = []  # the vote that saw a failure, once there is one
+
+        def ask(code: int) -> list[int]:
+            if settled:
+                return settled[0]
+            try:
+                codes = vote(code)[0]
+            except AutobatchError:  # timed out: no second wait for the trial's last vote
+                settled.append([FAILED] * world)
+                raise
+            if max(codes) != OK:
+                settled.append(codes)
+            return codes
+
+        def checkpoint() -> None:
+            codes = ask(OK)
+            if max(codes) == OK:
+                return
+            failed = [r for r, code in enumerate(codes) if code != OK]
+            if max(codes) == FAILED:
+                raise AutobatchError(
+                    f"rank {', '.join(map(str, failed))} failed during the trial at batch "
+                    f"{size} with an error that is not out-of-memory; see that rank's traceback"
+                )
+            raise PeerOutOfMemory(
+                f"rank {', '.join(map(str, failed))} ran out of memory during the trial at "
+                f"batch {size}"
+            )
+
+        gate = CollectiveGate(checkpoint, lambda: False)
+        try:
+            with gate:
+                outcome = runner(size)
+        except BaseException:
+            _reset(roots)
+            ask(FAILED)  # the others stop at their next vote
+            raise
+        codes = ask(OK if outcome.fits else OOM)
+        if not outcome.fits:
+            _reset(roots)
+        if max(codes) == FAILED:
+            failed = [r for r, code in enumerate(codes) if code == FAILED]
+            raise AutobatchError(
+                f"rank {', '.join(map(str, failed))} failed during the trial at batch {size} "
+                "with an error that is not out-of-memory; see that rank's traceback"
+            )
+        return outcome
+
+    return trial
+
+
+def _reset(roots: list[nn.Module]) -> None:
+    """FSDP2's state after a trial that stopped part-way: per-iteration state reset, no
+    gradient left unreduced."""
+    for root in roots:
+        root.reset_iter_state()  # type: ignore[operator]
+        _fsdp.drop_gradients(root)

@@ -279,9 +279,10 @@ def search_batch_size(
             make_batch, work.step, work.memory, steps_per_trial=steps_per_trial,
             cleanup=work.drop_gradients, per_operator=per_operator_possible(work.model),
         )
+        probe = _distributed.trials_in_lockstep(runner, model, sync=sync)  # (FSDP2)
         if work.optimizer is not None:
             _prime(work.optimizer, model, min_batch, capacity, memory.name, sync)
-        probe = _agreeing(runner) if sync else runner
+        probe = _agreeing(probe) if sync else probe
         outcome = search(
             probe,
             min_size=min_batch,
@@ -348,7 +349,7 @@ def _dynamic_batches(make_batch: Callable[[int], Batch]) -> Callable[[int], Batc
     return make
 
 
-def _agreeing(runner: TrialRunner) -> Callable[[int], Outcome]:
+def _agreeing(runner: Callable[[int], Outcome]) -> Callable[[int], Outcome]:
     """The runner's probe, with every verdict agreed by all ranks: one collective per trial, and
     a second for the peaks of the parts when the trial fit everywhere.
 

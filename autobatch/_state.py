@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from autobatch._backends import restore_rng_states, save_rng_states
 
@@ -35,75 +35,140 @@ def modules_referenced(*objects: Any) -> list[torch.nn.Module]:
     return list(found.values())
 
 
+def _wraps(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a subclass that wraps others (a DTensor)."""
+    return type(tensor) is not torch.Tensor and bool(is_traceable_wrapper_subclass(tensor))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds ``tensor``'s bytes on this process: a DTensor's local shard (a
+    wrapper subclass's only inner tensor), else ``tensor`` itself. Saving and restoring that
+    one is bit for bit and runs no collective."""
+    if not _wraps(tensor):
+        return tensor
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = [t for t in (getattr(tensor, n) for n in names) if isinstance(t, torch.Tensor)]
+    return inner[0] if len(inner) == 1 else tensor
+
+
+def _inner_name(tensor: torch.Tensor) -> str:
+    """The attribute that holds the only inner tensor of a wrapper subclass."""
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    found = [n for n in names if isinstance(getattr(tensor, n), torch.Tensor)]
+    return str(found[0])
+
+
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` in host memory, made outside any dispatch mode (a simulated GPU
-    must not count the copy: it stands for host memory)."""
+    """A copy of ``tensor`` (of its local shard) in host memory, made outside any dispatch mode
+    (a simulated GPU must not count the copy: it stands for host memory)."""
     with _disable_current_modes():
-        return tensor.detach().to("cpu", copy=True)
+        return _local(tensor).detach().to("cpu", copy=True)
 
 
 def _put_back(target: torch.Tensor, saved: torch.Tensor) -> None:
     with torch.no_grad():
-        target.copy_(saved)
+        _local(target).copy_(saved)
 
 
 @dataclass
-class _Grad:
-    """A gradient kept as the same tensor object across the trials.
-
-    A gradient that is the only user of its storage gives that storage up for the trials (a
-    training step starts without gradients) and gets a new one with the same bytes back; one
-    that shares its storage (a view of a flat buffer, DDP's bucket views) keeps it, since the
-    buffer lives on through training anyway."""
+class _Gradient:
+    """One parameter's gradient, set aside for the trials as the same tensor object."""
 
     param: torch.Tensor
-    grad: torch.Tensor
-    saved: torch.Tensor  # host copy of the storage's bytes
-    freed: bool
+    grad: torch.Tensor  # the object restored (a DTensor for FSDP2's sharded gradients)
+    local: torch.Tensor  # the tensor that holds its bytes (the DTensor's local shard)
+    inner: str | None  # where a DTensor keeps ``local`` (None: ``grad`` is ``local``)
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
-    @classmethod
-    def take(cls, param: torch.Tensor) -> _Grad | None:
-        grad = param.grad
-        if grad is None:
-            return None
-        if grad.layout != torch.strided:  # a sparse gradient: set aside as it is
+
+@dataclass
+class _Storage:
+    """The bytes of one storage that gradients view, kept in host memory."""
+
+    saved: torch.Tensor
+    members: list[_Gradient]
+    freed: bool = False
+
+
+class _Gradients:
+    """Gradients kept as the same tensor objects across the trials.
+
+    A storage that only gradients use (each its own, or one flat buffer that several view) is
+    given up for the trials (a training step starts without gradients) and comes back as one
+    new storage with the same bytes, each gradient a view of it as before; one that something
+    else holds too (DDP's bucket views, a buffer of the caller's) keeps its memory, since it
+    lives on through training anyway. A DTensor gradient keeps its object and gets a new local
+    shard: FSDP2's sharded gradients view one reduce-scatter output per group, which nothing
+    else keeps, so their shards are let go for the trials and come back as views of one
+    storage again. Sparse gradients, and subclasses that hold several tensors, are set aside
+    as they are."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.storages: list[_Storage] = []
+        groups: dict[int, tuple[torch.UntypedStorage, list[_Gradient]]] = {}
+        for param in params:
+            whole = param.grad
+            if whole is None:
+                continue
             param.grad = None
-            return cls(param, grad, torch.empty(0), False, 0, (), ())
-        storage = grad.untyped_storage()
-        with _disable_current_modes():
-            raw = torch.empty(0, dtype=torch.uint8, device=grad.device).set_(storage)
-            saved = raw.to("cpu", copy=True)
-        del raw
-        kept = cls(param, grad, saved, False, int(grad.storage_offset()), tuple(grad.shape),
-                   tuple(grad.stride()))
-        param.grad = None
+            local = _local(whole)
+            if local.layout != torch.strided or _wraps(local):
+                self.aside.append((param, whole))
+                continue
+            storage = local.untyped_storage()
+            entry = _Gradient(
+                param, whole, local, None if local is whole else _inner_name(whole),
+                int(local.storage_offset()), tuple(local.shape), tuple(local.stride()),
+            )
+            groups.setdefault(storage._cdata, (storage, []))[1].append(entry)
         use_count = getattr(torch._C, "_storage_Use_Count", None)
-        sole = use_count is not None and use_count(storage._cdata) <= 2  # grad and `storage`
-        del storage
-        if sole:
-            with torch.no_grad():
-                grad.set_(torch.empty(0, dtype=grad.dtype, device=grad.device).untyped_storage())
-            kept.freed = True
-        return kept
+        for storage, members in groups.values():
+            with _disable_current_modes():
+                raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                kept = _Storage(raw.to("cpu", copy=True), members)
+            del raw
+            wrapped = all(m.inner is not None for m in members)
+            # only these gradients use it (each holds it once, and so does `storage`)
+            sole = use_count is not None and use_count(storage._cdata) <= len(members) + 1
+            if wrapped or sole:
+                with torch.no_grad(), _disable_current_modes():
+                    for member in members:
+                        empty = member.local.new_empty(0)
+                        if member.inner is None:
+                            member.local.set_(empty.untyped_storage())
+                        else:  # (the DTensor lets its shard go; nothing reads it meanwhile)
+                            setattr(member.grad, member.inner, empty)
+                            member.local = empty
+                kept.freed = True
+            self.storages.append(kept)
+            del storage
 
     def put_back(self) -> None:
-        grad = self.grad
         with torch.no_grad():
-            if self.freed:
-                raw = torch.empty(self.saved.numel(), dtype=torch.uint8, device=grad.device)
-                raw.copy_(self.saved)
-                grad.set_(raw.untyped_storage(), self.offset, self.size, self.stride)
-                del raw
-                self.freed = False
-            elif grad.layout == torch.strided:
-                raw = torch.empty(0, dtype=torch.uint8, device=grad.device).set_(
-                    grad.untyped_storage()
-                )
-                raw.copy_(self.saved)
-        self.param.grad = grad
+            for kept in self.storages:
+                device = kept.members[0].local.device
+                if kept.freed:
+                    raw = torch.empty(kept.saved.numel(), dtype=torch.uint8, device=device)
+                    raw.copy_(kept.saved)
+                    for member in kept.members:
+                        member.local.set_(raw.untyped_storage(), member.offset, member.size,
+                                          member.stride)
+                        if member.inner is not None:
+                            setattr(member.grad, member.inner, member.local)
+                    del raw
+                    kept.freed = False
+                else:
+                    raw = torch.empty(0, dtype=torch.uint8, device=device).set_(
+                        kept.members[0].local.untyped_storage()
+                    )
+                    raw.copy_(kept.saved)
+                for member in kept.members:
+                    member.param.grad = member.grad
+        for param, grad in self.aside:
+            param.grad = grad
 
 
 @dataclass
@@ -112,7 +177,6 @@ class _ModuleState:
     buffers: list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=list
     )
-    grads: list[_Grad] = field(default_factory=list)
     flags: list[tuple[torch.Tensor, bool]] = field(default_factory=list)
     training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
 
@@ -157,10 +221,8 @@ class Snapshot:
         for param in params.values():
             self.module.tensors.append((param, _host_copy(param)))
             self.module.flags.append((param, param.requires_grad))
-            kept = _Grad.take(param)
-            if kept is not None:
-                self.module.grads.append(kept)
         self.params = list(params.values())
+        self.grads = _Gradients(self.params)
         self.optimizer_state = self._save_optimizer(optimizer) if optimizer is not None else None
         self.extras = [(obj, self._save_object(obj)) for obj in extras]
         self.rng = save_rng_states()
@@ -211,8 +273,7 @@ class Snapshot:
             param.requires_grad_(flag)
         for param in self.params:
             param.grad = None
-        for kept in state.grads:
-            kept.put_back()
+        self.grads.put_back()
         if self.optimizer is not None and self.optimizer_state is not None:
             self._restore_optimizer(self.optimizer, self.optimizer_state)
         for obj, attributes in self.extras:

@@ -111,6 +111,34 @@ def test_in_place_resize_is_counted() -> None:
         assert gpu.allocated_bytes == 64 * 64 * 4
 
 
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
+def test_a_storage_resized_in_place_counts_at_its_new_size(allocator: str) -> None:
+    # FSDP2 frees its gathered parameters with untyped_storage().resize_(0) and gets them back
+    # with resize_(n): no operator the dispatch mode sees
+    original = torch.UntypedStorage.resize_
+    with SimulatedGPU("8MiB", allocator=allocator) as gpu:  # type: ignore[arg-type]
+        t = torch.empty(1024)  # 4 KiB
+        base = gpu.allocated_bytes
+        storage = t.untyped_storage()
+        storage.resize_(0)
+        assert gpu.allocated_bytes == base - 4096
+        storage.resize_(8192)
+        assert gpu.allocated_bytes == base + 4096
+        peak = gpu.peak_bytes
+        with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+            storage.resize_(16 * 2**20)
+        assert storage.nbytes() == 8192  # as on a GPU, it keeps its old size
+        assert gpu.allocated_bytes == base + 4096
+        assert gpu.peak_bytes == peak
+        assert gpu.oom_count == 1
+        untracked = torch.empty(0)
+        with torch.utils._python_dispatch._disable_current_modes():
+            untracked.untyped_storage().resize_(4096)  # outside the simulator's mode: not counted
+        assert gpu.allocated_bytes == base + 4096
+    assert torch.UntypedStorage.resize_ is original  # torch's own again
+    storage.resize_(0)  # and nothing counts it any more
+
+
 def test_oom_has_cuda_message_and_frees_rejected_outputs() -> None:
     with SimulatedGPU("1MiB") as gpu:
         keep = torch.ones(1024, 128)  # 512 KiB

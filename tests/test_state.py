@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import autobatch
+from autobatch._accounting import round_allocation
 from autobatch._state import Snapshot
 from autobatch.testing import SimulatedGPU
 
@@ -88,3 +89,28 @@ def test_gradients_stay_the_same_objects_and_views_of_their_flat_buffer() -> Non
     assert own.weight.grad is own_grad
     assert torch.equal(flat, values[0])
     assert torch.equal(own_grad, values[1])
+
+
+def test_gradients_that_only_share_a_buffer_among_themselves_free_it_and_share_it_again() -> None:
+    # As FSDP2's sharded gradients view one reduce-scatter output per group, which nothing
+    # else keeps: the trials run without that memory, and the gradients come back as views of
+    # one buffer with the same bytes.
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    params = list(model.parameters())
+    with SimulatedGPU("1MiB", adopt=[model]) as gpu:
+        buffer = torch.randn(sum(p.numel() for p in params) + 7).untyped_storage()
+        offset = 0
+        for p in params:  # views of the storage that no other tensor holds
+            p.grad = torch.empty(0).set_(buffer, offset, p.shape, p.stride())
+            offset += p.numel()
+        del buffer
+        grads = [p.grad for p in params]
+        values = _state(*grads)
+        held = gpu.allocated_bytes
+        snapshot = Snapshot(model)
+        assert gpu.allocated_bytes == held - round_allocation((offset + 7) * 4)
+        snapshot.restore()
+        assert gpu.allocated_bytes == held
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == 1  # one buffer again
+    assert all(torch.equal(g, v) for g, v in zip(grads, values, strict=True))

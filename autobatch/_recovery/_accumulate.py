@@ -49,6 +49,12 @@ class _Accumulation:
     last. A parameter that receives a gradient after its optimizer stepped in the same piece
     means the step interleaves optimizers (a GAN): refused, since early pieces would see the
     parameters before their update.
+
+    Parameters given to :meth:`accumulate_in_place` (FSDP2's unsharded parameters, whose
+    gradients FSDP itself sums across micro-batches that skip reduction) are weighted alike but
+    never stashed, merged or discarded: their ``.grad`` holds the earlier pieces' sum, so a
+    piece that adds to it makes the batch start over if it fails (:attr:`dirty`), and
+    :meth:`restart` clears it (and runs ``on_restart``).
     """
 
     def __init__(
@@ -71,6 +77,8 @@ class _Accumulation:
         self.buffers: dict[int, torch.Tensor] = {}
         self.carried: dict[int, torch.Tensor] = {}  # gradients from before the batch (kept)
         self.carried_merged = False  # they are in .grad again: a restart could not undo that
+        self.in_place: set[int] = set()
+        self.on_restart: list[Callable[[], None]] = []
         self.patches = [
             _Patch(o, "step", self._deferred(o.step, refuse_closure=True, marks=True))
             for o in optimizers
@@ -95,6 +103,12 @@ class _Accumulation:
                     p.register_post_accumulate_grad_hook(self._accumulated),
                 ]
 
+    def accumulate_in_place(self, params: Iterable[torch.Tensor]) -> None:
+        """Weight the gradients of ``params`` too, and leave their sum in ``.grad``."""
+        params = list(params)
+        self.track(params)
+        self.in_place.update(id(p) for p in params)
+
     def begin_piece(self, weight: float, last: bool) -> None:
         self.weight, self.last = weight, last
         self.queued = self.contributed = self.moving = False
@@ -113,6 +127,8 @@ class _Accumulation:
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        if id(p) in self.in_place:
+            self.contributed = True  # the sum in .grad now holds part of this piece
         owner = self.owner.get(id(p))
         if owner is not None and id(owner) in self.stepped:
             raise AutobatchError(
@@ -152,7 +168,7 @@ class _Accumulation:
         self.moving = True
         for p in self.params:
             grad = p.grad
-            if grad is None:
+            if grad is None or id(p) in self.in_place:
                 continue
             self.contributed = True
             buffer = self.buffers.get(id(p))
@@ -176,7 +192,7 @@ class _Accumulation:
         self.carried_merged = self.carried_merged or bool(self.carried)
         for p in self.params:
             for store in (self.buffers, self.carried):
-                buffer = store.pop(id(p), None)
+                buffer = None if id(p) in self.in_place else store.pop(id(p), None)
                 if buffer is not None:
                     self.contributed = True
                     p.grad = buffer if p.grad is None else _add(p.grad, buffer)
@@ -206,12 +222,16 @@ class _Accumulation:
     def discard(self) -> None:
         """Forget the failed piece's gradients; the earlier pieces' sums stay."""
         for p in self.params:
-            p.grad = None
+            if id(p) not in self.in_place:
+                p.grad = None
 
     def restart(self) -> None:
         """Forget every piece: gradients to ``None`` (what was carried stays set aside)."""
         self.buffers.clear()
-        self.discard()
+        for p in self.params:
+            p.grad = None
+        for forget in self.on_restart:
+            forget()
 
     def close(self) -> None:
         self.merge()

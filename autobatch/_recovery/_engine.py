@@ -39,7 +39,12 @@ from autobatch._recovery._attempt import (
     _strip_tracebacks,
 )
 from autobatch._recovery._options import Policy, RecoveryOptions
-from autobatch._recovery._ranks import _Coordination, _peer_error, _PeerFailed
+from autobatch._recovery._ranks import (
+    _Coordination,
+    _peer_error,
+    _PeerFailed,
+    _refuse_independent_shards,
+)
 from autobatch._recovery._records import SizeChange, _Tally
 from autobatch._recovery._results import _combine
 from autobatch._recovery._sizes import _Sizes, _TooSmall
@@ -535,6 +540,8 @@ class _Engine:
         coord = self.coordinated()
         problem: AutobatchError | None = None
         try:
+            if coord is None:  # (ranks that shard a model with FSDP2 are never independent)
+                _refuse_independent_shards(self.name, [*self.known.modules, *attempt.seen], failure)
             attempt.check(failure, self.optimized_ids, self._describe)
             if self.keeps_gradients and (
                 (session is None and not attempt.gradients_untouched())

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import (
     register_module_forward_hook,
@@ -15,13 +16,16 @@ from torch.nn.modules.module import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from autobatch import _distributed
+from autobatch import _distributed, _fsdp
 from autobatch._backends import free_memory
 from autobatch._errors import AutobatchError
+from autobatch._log import get_logger
 from autobatch._oom import is_oom_error
 from autobatch._recovery._accumulate import _Accumulation, _Patch
-from autobatch._recovery._attempt import _VERSION, _strip_tracebacks
+from autobatch._recovery._attempt import _VERSION, _Failure, _Known, _strip_tracebacks
 from autobatch._recovery._records import _Tally
+
+logger = get_logger("recovery")
 
 
 class _Host(Protocol):
@@ -30,6 +34,7 @@ class _Host(Protocol):
     name: str
     optimizers: tuple[torch.optim.Optimizer, ...]
     tally: _Tally
+    known: _Known
 
 
 #: How often a first ``optimizer.step()`` that ran out of memory is tried under a process group.
@@ -54,16 +59,27 @@ def _peer_error(codes: list[int], where: str) -> AutobatchError:
     )
 
 
-_SHARDED: dict[type, bool] = {}
-
-
-def _is_sharded(cls: type) -> bool:
-    """Whether a module class is FSDP (the wrapper, or a module made by ``fully_shard``)."""
-    found = _SHARDED.get(cls)
-    if found is None:
-        names = ("FullyShardedDataParallel", "FSDPModule")
-        found = _SHARDED[cls] = any(c.__name__ in names for c in cls.__mro__)
-    return found
+def _refuse_independent_shards(name: str, modules: list[nn.Module], failure: _Failure) -> None:
+    """An OOM recovered without agreement (``sync_ranks=False``, or a process group of one
+    rank), in a step that runs an FSDP2 module: refused. Alone, a rank would leave the others
+    waiting in its next collective; and FSDP's gradients and per-iteration state are kept
+    exact only by the agreement (:class:`_Coordination`)."""
+    if not _fsdp.sharded(modules):
+        return
+    if _distributed.active():
+        raise AutobatchError(
+            f"{name} ran out of memory ({failure.kind}) in a step that runs a model sharded "
+            "with FSDP2, under retry_on_oom(sync_ranks=False): its forward and backward gather "
+            "parameters from every rank, so this rank cannot recover alone while the others "
+            "wait in its next collective. Use sync_ranks=True (the default), which recovers on "
+            "every rank together"
+        ) from failure.exc
+    raise AutobatchError(
+        f"{name} ran out of memory ({failure.kind}) in a step that runs a model sharded with "
+        "FSDP2 on a single rank: autobatch recovers FSDP2 steps under a process group of two "
+        "or more ranks, where every rank agrees on each micro-batch. On one device, train the "
+        "model without fully_shard"
+    ) from failure.exc
 
 
 class _Coordination:
@@ -84,6 +100,18 @@ class _Coordination:
     retried on that rank alone with the same averaged gradients, so the update is the same as
     the others'; any other failure stops every rank with :class:`~autobatch.AutobatchError` at
     the attempt's last vote.
+
+    FSDP2 (modules made by ``fully_shard``) runs its own collectives throughout forward and
+    backward (all-gathers of parameters, reduce-scatters of gradients): every attempt that runs
+    one runs under the collective gate, so each of them is preceded by a vote, taken at the
+    collective itself (after its buffers were allocated, when nothing is left to fail before it
+    starts). Pieces before a batch's last skip gradient reduction (``set_requires_gradient_sync
+    (False)`` on each FSDP root for that piece), so FSDP sums the pieces' unsharded gradients
+    itself, and the last piece reduces them once; the accumulation weights those gradients and
+    leaves them in place (:meth:`_Accumulation.accumulate_in_place`). After an attempt raised
+    (here, or because another rank failed), each FSDP root's per-iteration state is reset
+    (``reset_iter_state``), and unreduced gradients of a whole-batch attempt are dropped.
+    ``FullyShardedDataParallel`` (FSDP1) is refused.
     """
 
     def __init__(self, engine: _Host) -> None:
@@ -100,14 +128,33 @@ class _Coordination:
         self.patched: list[_Patch] | None = None
         self.watched = 0  # attempts run with the collective gate
         self.collectives = False  # the step issues collectives of its own
+        self.gated = False  # this attempt runs under the collective gate
+        self.sharded: bool | None = None  # the step runs FSDP2 modules (None: not looked yet)
+        self.roots: list[nn.Module] = []  # FSDP2 roots whose forward ran in this attempt
+        self.known_roots: dict[int, nn.Module] = {}  # every FSDP2 root seen, checked once
+        self.syncing: list[tuple[nn.Module, list[bool]]] = []  # gradient sync to put back
+        self.depth = 0  # FSDP2 forwards under way
+        self.hooked_session: _Accumulation | None = None
+        self.held = 0  # pieces of this batch whose gradients FSDP holds unreduced
+        self.ran_sharded = False  # an FSDP2 forward ran in this attempt
+        self.reduce_each_piece = False  # FSDP2: every piece reduces (the held sums did not fit)
 
     # Votes ------------------------------------------------------------------------------------
 
-    def _vote(self, code: int) -> list[int]:
-        codes, _ = _distributed.vote(code)
+    def _ask(self, code: int, flag: bool = False) -> tuple[list[int], bool]:
+        """One vote; a vote that timed out settles the attempt as failed everywhere, so that
+        its last vote does not wait a second time for a rank that stopped answering."""
+        try:
+            codes, flag = _distributed.vote(code, flag)
+        except AutobatchError:
+            self.settled = [_distributed.FAILED] * dist.get_world_size()
+            raise
         if max(codes) != _distributed.OK:
             self.settled = codes
-        return codes
+        return codes, flag
+
+    def _vote(self, code: int) -> list[int]:
+        return self._ask(code)[0]
 
     def checkpoint(self, missing: bool = False) -> bool:
         """An agreement point inside the step: go on only if no rank has failed. Returns whether
@@ -115,9 +162,7 @@ class _Coordination:
         if self.settled is not None:
             codes = self.settled
         else:
-            codes, missing = _distributed.vote(_distributed.OK, missing)
-            if max(codes) != _distributed.OK:
-                self.settled = codes
+            codes, missing = self._ask(_distributed.OK, missing)
         if max(codes) == _distributed.FAILED:
             raise _peer_error(codes, "during this step")
         if max(codes) != _distributed.OK:
@@ -126,7 +171,10 @@ class _Coordination:
 
     def finish(self, code: int) -> list[int]:
         """The attempt's verdict: every rank's code (one vote, unless one already saw a failure)."""
-        return self.settled if self.settled is not None else self._vote(code)
+        codes = self.settled if self.settled is not None else self._vote(code)
+        if self.ran_sharded:
+            self._sharded_verdict(ok=max(codes) == _distributed.OK)
+        return codes
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank."""
@@ -160,14 +208,26 @@ class _Coordination:
             register_module_forward_pre_hook(self._before_forward),
             register_module_forward_hook(self._after_forward, always_call=True),
         ]
+        if self.sharded is None:
+            self.sharded = bool(_fsdp.sharded(self.engine.known.modules))
+        if session is not None and session is not self.hooked_session:
+            self.hooked_session = session  # FSDP's sums go when the batch starts over
+            session.on_restart.append(self._forget_sharded_gradients)
+            self.held = 0
+        self.ran_sharded = False
         gate = None
-        if self.collectives or self.watched < GATE_ATTEMPTS:
+        if self.collectives or self.sharded or self.watched < GATE_ATTEMPTS:
             # (a DDP forward under way has its collectives agreed before it: see _before_forward)
             gate = _distributed.CollectiveGate(self.checkpoint, lambda: bool(self.flags))
             self.watched += 1
+        self.gated = gate is not None
+        failed = False
         try:
             with gate if gate is not None else contextlib.nullcontext():
                 yield
+        except BaseException:
+            failed = True
+            raise
         finally:
             if gate is not None and gate.seen:
                 self.collectives = True
@@ -179,14 +239,95 @@ class _Coordination:
                 module, flag = self.flags.pop()
                 module.require_backward_grad_sync = flag
             self.modules.clear()
+            self._end_sharded(failed, whole=session is None)
+
+    # FSDP2 ------------------------------------------------------------------------------------
+
+    def _sharded_forward(self, module: nn.Module) -> None:
+        """An FSDP2 module's forward begins (before FSDP's own hook gathers its parameters)."""
+        self.sharded = True
+        if not self.gated:
+            self._refuse(
+                f"{self.engine.name} ran an FSDP2 module for the first time after autobatch "
+                "stopped watching it for collectives; pass retry_on_oom(model=...) so that "
+                "autobatch knows from the first call that the step is sharded"
+            )
+        if self.depth == 0 and torch._C._current_autograd_node() is None:  # a root (not a
+            # recomputation inside backward under activation checkpointing)
+            if id(module) not in self.known_roots:
+                problem = _fsdp.unsupported(module)
+                if problem is not None:
+                    self._refuse(f"{self.engine.name}: {problem}")
+                self.known_roots[id(module)] = module
+            if all(module is not r for r in self.roots):
+                self.roots.append(module)
+            if not (self.last or self.reduce_each_piece):  # FSDP sums the pieces' gradients;
+                self.syncing.append((module, _fsdp.gradient_sync(module)))  # the last reduces
+                module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self.ran_sharded = True
+        self.depth += 1
+
+    def _sharded_forward_done(self, module: nn.Module) -> None:
+        """An FSDP2 module's forward ended (before FSDP's own hook frees the gathered
+        parameters): its unsharded parameters accumulate in place across the pieces."""
+        self.depth = max(self.depth - 1, 0)
+        if self.session is not None:
+            params = _fsdp.unsharded_parameters(module, recurse=False)
+            if self.reduce_each_piece:  # (reduced at the end of each backward: none held)
+                self.session.track(params)
+            else:
+                self.session.accumulate_in_place(params)
+
+    def _sharded_verdict(self, ok: bool) -> None:
+        """After an attempt that ran FSDP2 (the same verdict on every rank). An attempt that
+        failed while FSDP held the earlier pieces' unreduced gradients (as big as the unsharded
+        model's) makes every later piece reduce its own: the pieces' sum then lives in the
+        sharded gradients (autobatch's buffers), at the cost of a reduce-scatter per piece."""
+        if self.hooked_session is None or self.reduce_each_piece:
+            return
+        if ok:
+            self.held = 0 if self.last else self.held + 1
+        elif self.held:
+            self.reduce_each_piece = True
+            logger.info(
+                "%s: FSDP2 gradients are reduced after every micro-batch from now on (the "
+                "unreduced sums of earlier micro-batches left too little memory)",
+                self.engine.name,
+            )
+
+    def _end_sharded(self, failed: bool, whole: bool) -> None:
+        """After an attempt: gradient sync as the user set it; after a failure, FSDP's
+        per-iteration state reset on every root, and a whole batch's unreduced gradients
+        (partial) dropped."""
+        while self.syncing:
+            module, flags = self.syncing.pop()
+            _fsdp.set_gradient_sync(module, flags)
+        self.depth = 0
+        roots, self.roots = self.roots, []
+        if failed:
+            for root in roots:
+                root.reset_iter_state()  # type: ignore[operator]
+                if whole:
+                    _fsdp.drop_gradients(root)
+
+    def _forget_sharded_gradients(self) -> None:
+        """The batch starts over: FSDP's sums of the earlier pieces go too."""
+        self.held = 0
+        for root in self.known_roots.values():
+            _fsdp.drop_gradients(root)
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if _is_sharded(type(module)):
+        sharding = _fsdp.kind(module)
+        if sharding == "fsdp2":
+            self._sharded_forward(module)
+            return
+        if sharding == "fsdp1":
             self._refuse(
-                f"{self.engine.name} runs an FSDP module: its forward and backward gather and "
-                "scatter parameters with collectives that a rank which ran out of memory would "
-                "never join, so autobatch cannot keep the ranks in step. Use "
-                "retry_on_oom(sync_ranks=False) only where ranks are independent"
+                f"{self.engine.name} runs an FSDP module (FullyShardedDataParallel): its "
+                "forward and backward gather and scatter parameters with collectives that a "
+                "rank which ran out of memory would never join, and autobatch cannot put a "
+                "vote before them. Shard with FSDP2 instead (torch.distributed.fsdp."
+                "fully_shard), which autobatch keeps in step on every rank"
             )
         if not isinstance(module, DistributedDataParallel):
             return
@@ -216,7 +357,9 @@ class _Coordination:
             self.checkpoint()  # DDP's forward begins with a collective (the buffers' broadcast)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(module, DistributedDataParallel) and self.flags:
+        if _fsdp.kind(module) == "fsdp2":
+            self._sharded_forward_done(module)
+        elif isinstance(module, DistributedDataParallel) and self.flags:
             owner, flag = self.flags.pop()
             owner.require_backward_grad_sync = flag
 

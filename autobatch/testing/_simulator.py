@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autobatch import _backends
 from autobatch._accounting import (
@@ -93,9 +94,10 @@ class SimulatedGPU:
         but only the rest can be allocated (as with a shared card).
 
     Tensors created on other threads than the one that entered are not counted, except
-    autograd's backward, which torch runs with the entering thread's modes. The caching model
-    sees the storages an operator returns, in order, not the workspaces a CUDA kernel may take
-    inside it.
+    autograd's backward, which torch runs with the entering thread's modes. A storage resized
+    in place (``untyped_storage().resize_()``, as FSDP2 frees and re-allocates its gathered
+    parameters) is counted at its new size. The caching model sees the storages an operator
+    returns, in order, not the workspaces a CUDA kernel may take inside it.
     """
 
     def __init__(
@@ -282,6 +284,7 @@ class SimulatedGPU:
             self._entered = True
             _active.append(self)
             _backends._overrides.append(self._memory_for)
+            torch.UntypedStorage.resize_ = _resize_counted  # type: ignore[method-assign,assignment]
         self._mode.__enter__()
         return self
 
@@ -296,6 +299,34 @@ class SimulatedGPU:
             _active.remove(self)
             _backends._overrides.remove(self._memory_for)
             self._entered = False
+            if not _active:  # torch's own method again
+                if _OWN_RESIZE is None:
+                    del torch.UntypedStorage.resize_  # (inherited from the C base)
+                else:
+                    torch.UntypedStorage.resize_ = _OWN_RESIZE  # type: ignore[method-assign]
+
+    def _resized(self, storage: torch.UntypedStorage, old: int) -> None:
+        """Count a storage resized in place, where this simulator counts (its mode is active
+        on this thread); a growth that does not fit is undone and raises CUDA's error."""
+        if self._mode not in _get_current_dispatch_mode_stack():
+            return
+        if storage not in self.ledger and not storage.nbytes():
+            return  # (a storage this simulator never counted, freed)
+        error: BaseException | None = None
+        peak = self.ledger.peak_bytes
+        try:
+            added = self.ledger.add(storage)
+        except torch.OutOfMemoryError as refused:  # the allocator model found no room
+            error = refused.with_traceback(None)
+        else:
+            if added > 0 and self._allocator is None:
+                error = self._check(added)
+        if error is not None:  # as on a GPU, the storage keeps its old size
+            _RESIZE(storage, old)
+            if self._allocator is None:
+                self.ledger.add(storage)
+                self.ledger.peak_bytes = peak
+            raise error
 
     def _memory_for(self, device: torch.device) -> _backends.DeviceMemory | None:
         return SimulatedMemory(device, self) if device.type == "cpu" else None
@@ -312,6 +343,21 @@ class SimulatedGPU:
             f"allocator={self.allocator!r}, allocated={format_bytes(self.allocated_bytes)}, "
             f"peak={format_bytes(self.peak_bytes)}{reserved})"
         )
+
+
+_OWN_RESIZE = vars(torch.UntypedStorage).get("resize_")  # (None: inherited, as in torch 2.13)
+_RESIZE = _OWN_RESIZE or vars(torch._C.StorageBase)["resize_"]
+
+
+def _resize_counted(storage: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_`` while a simulator is active: the storage is counted at its
+    new size (FSDP2 frees its gathered parameters with ``resize_(0)``)."""
+    old = storage.nbytes()
+    result = _RESIZE(storage, size)
+    gpu = current_simulator()
+    if gpu is not None and storage.nbytes() != old:
+        gpu._resized(storage, old)
+    return result
 
 
 def _out_of_memory(
