@@ -7,13 +7,13 @@ import logging
 from autobatch._backends import free_memory
 from autobatch._batch import per_batch
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._finder import SearchResult, find_max_batch, search_batch_size
+from autobatch._finder import find_max_batch, search_batch_size
 from autobatch._oom import is_oom_error, is_size_limit_error
 from autobatch._planner import Plan, PlanBreakdown, plan_max_batch
 from autobatch._recovery import RecoveryStats, oom_guard, retry_on_oom
+from autobatch._result import SearchResult
 from autobatch._throughput import ThroughputResult, find_best_batch
-
-__version__ = "0.1.0"
+from autobatch._version import __version__ as __version__
 
 logging.getLogger("autobatch").addHandler(logging.NullHandler())
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -83,6 +83,12 @@ class DeviceMemory(ABC):
         (``"reserved_bytes.all.current"``, ``"num_alloc_retries"``, ...); ``None`` where the
         backend keeps none."""
         return None
+
+    def uncounted_bytes(self, objects: Iterable[Any]) -> int:
+        """Bytes of the tensors held by ``objects`` (modules, optimizers) on this device that
+        the backend's accounting leaves out (a simulated GPU entered after they were made and
+        not told of them); 0 where every allocation counts, as on a real device."""
+        return 0
 
     def synchronize(self) -> None:
         """Wait for queued work, so that failures and timings belong to the right step."""

@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 import torch
 
+from autobatch._validate import check_int
+
 __all__ = [
     "Batch",
     "PerBatchList",
@@ -91,7 +93,7 @@ def per_batch(value: Sequence[Any]) -> Sequence[Any]:
     >>> [piece["size"] for piece in split_batch(batch, 1)]
     [(224, 448), (224, 448)]
 
-    Parameters:
+    Args:
         value: a tuple or list, e.g. an image size that may be as long as the batch.
     """
     if isinstance(value, tuple) and not hasattr(type(value), "_fields"):
@@ -247,7 +249,7 @@ def batch_size(batch: Batch) -> int:
     >>> batch_size({"x": torch.zeros(8, 3), "names": [f"img{i}.png" for i in range(8)], "epoch": 2})
     8
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
 
     Raises:
@@ -277,7 +279,7 @@ def ambiguous_paths(batch: Batch) -> list[str]:
     >>> ambiguous_paths({"x": torch.zeros(2, 3), "size": (224, 448), "crop": (0, 0, 9)})
     ["batch['size']"]
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
     """
     strong, _ = _sizes(batch)
@@ -285,12 +287,6 @@ def ambiguous_paths(batch: Batch) -> list[str]:
         return []
     size = next(iter(strong))
     return [path for path, leaf in _leaves(batch) if _is_tuple_of_values(leaf) and len(leaf) == size]
-
-
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    return value
 
 
 def _slice(batch: Batch, start: int, stop: int, size: int) -> Batch:
@@ -313,13 +309,13 @@ def slice_batch(batch: Batch, start: int, stop: int) -> Batch:
     >>> slice_batch({"x": torch.arange(6), "ids": list("abcdef")}, 1, 3)
     {'x': tensor([1, 2]), 'ids': ['b', 'c']}
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
         start: the first row, ``0 <= start <= stop``.
         stop: one past the last row, ``stop <= batch_size(batch)``.
     """
-    start = _check_count("start", start)
-    stop = _check_count("stop", stop)
+    start = check_int("start", start, minimum=None)
+    stop = check_int("stop", stop, minimum=None)
     size = batch_size(batch)
     if not 0 <= start <= stop <= size:
         raise ValueError(
@@ -338,13 +334,11 @@ def split_batch(batch: Batch, piece_size: int) -> list[Batch]:
     >>> [batch_size(p) for p in split_batch(torch.zeros(10, 2), 4)]
     [4, 4, 2]
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
         piece_size: rows per piece, at least 1.
     """
-    piece_size = _check_count("piece_size", piece_size)
-    if piece_size < 1:
-        raise ValueError(f"piece_size must be at least 1, got {piece_size}")
+    piece_size = check_int("piece_size", piece_size)
     size = batch_size(batch)
     return [_slice(batch, s, min(s + piece_size, size), size) for s in range(0, size, piece_size)]
 
@@ -401,7 +395,7 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     >>> concat_batches([{"x": torch.tensor([1]), "id": ["a"]}, {"x": torch.tensor([2]), "id": ["b"]}])
     {'x': tensor([1, 2]), 'id': ['a', 'b']}
 
-    Parameters:
+    Args:
         batches: one or more batches with the same structure.
     """
     if not batches:
@@ -436,13 +430,11 @@ def resize_batch(sample: Batch, n: int) -> Batch:
     >>> resize_batch({"x": torch.tensor([10, 11, 12]), "id": ["a", "b", "c"]}, 7)
     {'x': tensor([10, 11, 12, 10, 11, 12, 10]), 'id': ['a', 'b', 'c', 'a', 'b', 'c', 'a']}
 
-    Parameters:
+    Args:
         sample: a batch with at least one row (see the module documentation).
         n: the number of rows wanted, at least 1.
     """
-    n = _check_count("n", n)
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
+    n = check_int("n", n)
     size = batch_size(sample)
     if size == 0:
         raise ValueError(
@@ -474,7 +466,7 @@ def tensors(batch: Batch) -> Iterator[torch.Tensor]:
     >>> [tuple(t.shape) for t in tensors((torch.zeros(4, 2), {"y": torch.zeros(4)}, "tag"))]
     [(4, 2), (4,)]
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
     """
     for _, leaf in _leaves(batch):
@@ -489,7 +481,7 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Batch) -> Bat
     >>> map_tensors(lambda t: t * 2, {"x": torch.tensor([1, 2]), "id": ["a", "b"]})
     {'x': tensor([2, 4]), 'id': ['a', 'b']}
 
-    Parameters:
+    Args:
         fn: called once per tensor leaf, zero-dimensional ones included.
         batch: a tensor or a nest of containers (see the module documentation).
     """
@@ -508,7 +500,7 @@ def move_batch(batch: Batch, device: torch.device | str | int, non_blocking: boo
     >>> move_batch({"x": torch.zeros(2)}, "cpu")["x"].device
     device(type='cpu')
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
         device: where the tensors go.
         non_blocking: passed to ``Tensor.to``.
@@ -525,7 +517,7 @@ def elements_per_sample(batch: Batch) -> int:
     >>> elements_per_sample({"ids": torch.zeros(8, 128), "labels": torch.zeros(8)})
     129
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
     """
     return sum(math.prod(t.shape[1:]) for t in tensors(batch) if t.dim() > 0)
@@ -541,7 +533,7 @@ def shape_key(batch: Batch) -> tuple[tuple[str, tuple[int, ...] | None, torch.dt
     >>> shape_key({"x": torch.zeros(8, 3)}) == shape_key({"x": torch.ones(2, 3)})
     True
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
     """
     return tuple(
@@ -570,7 +562,7 @@ def describe(batch: Batch) -> str:
     >>> describe({"input_ids": torch.zeros(8, 128, dtype=torch.int64), "names": ["a"] * 8})
     'dict(input_ids: (8, 128) int64, names: list of 8 str)'
 
-    Parameters:
+    Args:
         batch: a tensor or a nest of containers (see the module documentation).
     """
     kind = _kind(batch)

@@ -43,9 +43,11 @@ from torch import nn
 from autobatch import _batch
 from autobatch._backends import DeviceMemory, restore_rng_states, save_rng_states
 from autobatch._log import user_stacklevel
+from autobatch._result import result_from_dict, result_to_dict
+from autobatch._validate import is_sample_factory
 
 if TYPE_CHECKING:
-    from autobatch._finder import SearchResult
+    from autobatch._result import SearchResult
 
 #: Environment variable naming the cache directory (overrides the XDG default).
 CACHE_ENV = "AUTOBATCH_CACHE_DIR"
@@ -255,7 +257,7 @@ def _sample(sample: Any) -> Any:
     """Per-row shapes and dtypes of the sample (its number of rows does not matter). For a
     callable ``n -> batch`` sample, the structure of ``sample(1)``, made with the random number
     generators saved and put back."""
-    if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
+    if is_sample_factory(sample):
         torch_rng, python_rng = save_rng_states(), random.getstate()
         try:
             made = sample(1)
@@ -286,26 +288,19 @@ def fingerprint(
     ...                              device_name="cuda:0", capacity_bytes=2**30)
     (64, True)
 
-    Parameters
-    ----------
-    model:
-        The module; its architecture enters, not its weights.
-    sample:
-        A batch (per-row shapes and dtypes enter) or a callable ``n -> batch``.
-    device_name, capacity_bytes:
-        The device, as the memory backend names it, and its total memory.
-    optimizer:
-        An optimizer (class and memory-relevant hyper-parameters), a class or factory (its
-        qualified name), or None.
-    autocast_dtype:
-        The autocast dtype in effect, or None.
-    train:
-        Training or inference.
-    extra:
-        Anything else that decides the result (search options, loss and step functions);
-        JSON-serialisable values, others enter by their type name.
+    Args:
+        model: The module; its architecture enters, not its weights.
+        sample: A batch (per-row shapes and dtypes enter) or a callable ``n -> batch``.
+        device_name, capacity_bytes: The device, as the memory backend names it, and its total
+            memory.
+        optimizer: An optimizer (class and memory-relevant hyper-parameters), a class or factory
+            (its qualified name), or None.
+        autocast_dtype: The autocast dtype in effect, or None.
+        train: Training or inference.
+        extra: Anything else that decides the result (search options, loss and step functions);
+            JSON-serialisable values, others enter by their type name.
     """
-    from autobatch import __version__
+    from autobatch._version import __version__
 
     document = {
         "format": FORMAT,
@@ -340,10 +335,8 @@ class ResultCache:
     >>> cache.get("0" * 64)
     {'batch_size': 96}
 
-    Parameters
-    ----------
-    path:
-        The directory (created on the first write); default :func:`default_cache_dir`.
+    Args:
+        path: The directory (created on the first write); default :func:`default_cache_dir`.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
@@ -498,124 +491,6 @@ def search_key(
             "scaler": _qualname(None if scaler is None else type(scaler)),
         },
     )
-
-
-def result_to_dict(result: SearchResult) -> dict[str, Any]:
-    """A JSON-ready dict of a :class:`~autobatch.SearchResult` (see :func:`result_from_dict`)."""
-    model = result.memory_model
-    return {
-        "batch_size": result.batch_size,
-        "max_batch_size": result.max_batch_size,
-        "smallest_failing": result.smallest_failing,
-        "device": result.device,
-        "capacity_bytes": result.capacity_bytes,
-        "headroom": result.headroom,
-        "train": result.train,
-        "optimizer_counted": result.optimizer_counted,
-        "memory_model": None if model is None else {
-            "fixed": model.fixed, "per_sample": model.per_sample
-        },
-        "trials": [
-            {
-                "size": t.size,
-                "fits": t.fits,
-                "peak_bytes": t.peak_bytes,
-                "seconds": t.seconds,
-                "error": t.error,
-            }
-            for t in result.trials
-        ],
-        "notes": list(result.notes),
-    }
-
-
-def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    """``data[name]``, which must be of ``kind`` (a bool is no int here)."""
-    if not isinstance(data, Mapping) or name not in data:
-        raise ValueError(f"no {name!r}")
-    value = data[name]
-    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise ValueError(f"{name!r} is {value!r}")
-    if not isinstance(value, kind):
-        raise ValueError(f"{name!r} is {type(value).__name__}, not {kind}")
-    return value
-
-
-def _count(data: Mapping[str, Any], name: str, *, minimum: int = 1) -> int:
-    value: int = _field(data, name, int)
-    if value < minimum:
-        raise ValueError(f"{name!r} is {value}, below {minimum}")
-    return value
-
-
-def _finite(data: Mapping[str, Any], name: str, *, low: float, high: float) -> float:
-    value = float(_field(data, name, (int, float)))
-    if not (math.isfinite(value) and low <= value <= high):
-        raise ValueError(f"{name!r} is {value!r}, not in [{low}, {high}]")
-    return value
-
-
-def result_from_dict(data: Mapping[str, Any]) -> SearchResult:
-    """The :class:`~autobatch.SearchResult` that :func:`result_to_dict` wrote.
-
-    Every field is checked (types, ranges, and that the recommended size is at most the
-    largest, which a fitting trial ran): ``ValueError`` when ``data`` is not such a dict (a
-    damaged or edited cache entry), never a result built from one.
-    """
-    from autobatch._finder import SearchResult
-    from autobatch._trial import TrialRecord
-    from autobatch.search import LinearModel
-
-    try:
-        trials = []
-        for trial in _field(data, "trials", list):
-            peak = _field(trial, "peak_bytes", (int, type(None)))
-            if peak is not None and peak < 0:
-                raise ValueError(f"a trial's peak is {peak}")
-            error = _field(trial, "error", (str, type(None)))
-            trials.append(
-                TrialRecord(
-                    size=_count(trial, "size"),
-                    fits=_field(trial, "fits", bool),
-                    peak_bytes=peak,
-                    seconds=_finite(trial, "seconds", low=0.0, high=math.inf),
-                    error=error,
-                )
-            )
-        batch_size = _count(data, "batch_size")
-        largest = _count(data, "max_batch_size")
-        failing = _field(data, "smallest_failing", (int, type(None)))
-        if batch_size > largest:
-            raise ValueError(f"batch_size {batch_size} is above max_batch_size {largest}")
-        if not any(t.fits and t.size == largest for t in trials):
-            raise ValueError(f"no fitting trial ran max_batch_size {largest}")
-        if failing is not None and failing <= largest:
-            raise ValueError(f"smallest_failing {failing} is not above {largest}")
-        stored_model = _field(data, "memory_model", (dict, type(None)))
-        model = None
-        if stored_model is not None:
-            model = LinearModel(
-                fixed=_finite(stored_model, "fixed", low=-math.inf, high=math.inf),
-                per_sample=_finite(stored_model, "per_sample", low=0.0, high=math.inf),
-            )
-        notes = _field(data, "notes", list)
-        if not all(isinstance(note, str) for note in notes):
-            raise ValueError("a note is not a string")
-        return SearchResult(
-            batch_size=batch_size,
-            max_batch_size=largest,
-            trials=tuple(trials),
-            memory_model=model,
-            capacity_bytes=_count(data, "capacity_bytes"),
-            device=_field(data, "device", str),
-            headroom=_finite(data, "headroom", low=0.0, high=0.999999),
-            train=_field(data, "train", bool),
-            optimizer_counted=_field(data, "optimizer_counted", bool),
-            smallest_failing=failing,
-            notes=tuple(notes),
-        )
-    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as error:
-        raise ValueError(f"not a stored search result: {error}") from None
 
 
 def cached_search(

@@ -2,167 +2,41 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from autobatch import _batch, _distributed
-from autobatch._backends import DeviceLike, memory_for, resolve_device
+from autobatch import _distributed
+from autobatch._backends import DeviceLike, DeviceMemory, memory_for
 from autobatch._cache import CacheOption, cached_search, open_cache, search_key
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_stacklevel
+from autobatch._measure import per_operator_possible
 from autobatch._oom import oom_kind
-from autobatch._trial import (
+from autobatch._result import SearchResult
+from autobatch._search import LinearModel, Trial, recommend, search
+from autobatch._trial import TrialRunner, prepared
+from autobatch._units import format_bytes
+from autobatch._validate import check_module, check_search_options
+from autobatch._workload import (
+    DEFAULT_HEADROOM,
     Batch,
     LossFn,
     OptimizerLike,
+    Sample,
     StepFn,
-    TrialRecord,
-    TrialRunner,
+    batch_factory,
     mark_batch_dynamic,
-    per_operator_possible,
-    prepared,
+    model_device,
     prime_optimizer,
 )
-from autobatch._units import format_bytes
-from autobatch.search import LinearModel, Outcome, recommend, search
 
 logger = get_logger("finder")
-
-#: Fraction of the device's capacity the recommended batch leaves free at its peak by default.
-DEFAULT_HEADROOM = 0.05
-
-Sample = Batch | Callable[[int], Batch]
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """What :func:`search_batch_size` found, and how.
-
-    ``batch_size`` is the recommended size (the largest whose measured peak leaves ``headroom``
-    of the capacity free; ``max_batch_size`` when ``headroom`` is 0); ``max_batch_size`` the
-    exact largest size that fits (it passed a trial, the next size up failed or is the cap). ``trials`` lists
-    every trial in order; ``capacity_bytes`` the memory the search could use (the device's
-    total, less what other processes hold); ``memory_model`` is the fitted
-    ``peak(n) = fixed + per_sample * n``
-    when the device keeps statistics. ``optimizer_counted`` is False when no optimizer was given
-    (forward and backward only).
-    """
-
-    batch_size: int
-    max_batch_size: int
-    trials: tuple[TrialRecord, ...]
-    memory_model: LinearModel | None
-    capacity_bytes: int
-    device: str
-    headroom: float
-    train: bool
-    optimizer_counted: bool
-    smallest_failing: int | None = None
-    notes: tuple[str, ...] = field(default=())
-
-    @property
-    def oom_trials(self) -> int:
-        """How many trials failed."""
-        return sum(not t.fits for t in self.trials)
-
-    @property
-    def samples_processed(self) -> int:
-        """Rows run through the model over all trials (a measure of search cost)."""
-        return sum(t.size for t in self.trials)
-
-    def __repr__(self) -> str:
-        lines = [
-            f"SearchResult(batch_size={self.batch_size}, max_batch_size={self.max_batch_size}, "
-            f"device={self.device!r}, capacity={format_bytes(self.capacity_bytes)}, "
-            f"headroom={self.headroom:g}, trials={len(self.trials)}, oom_trials={self.oom_trials})"
-        ]
-        lines += [f"  {trial}" for trial in self.trials]
-        if self.memory_model is not None:
-            model = self.memory_model
-            lines.append(
-                f"  memory model: {format_bytes(model.fixed)} + {format_bytes(model.per_sample)}"
-                " per sample"
-            )
-        lines += [f"  note: {note}" for note in self.notes]
-        return "\n".join(lines)
-
-    __str__ = __repr__
-
-    def plot(self, path: str | None = None) -> Any:
-        """Peak memory against batch size: trials, fitted line, capacity and headroom.
-
-        Needs matplotlib (``pip install torch-autobatch[plot]``). Saves to ``path`` when given;
-        returns the matplotlib figure.
-        """
-        from autobatch._plot import plot_search
-
-        return plot_search(self, path)
-
-
-def _model_device(model: nn.Module, device: DeviceLike) -> torch.device:
-    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
-    if any(d.type == "meta" for d in devices):
-        raise ValueError(
-            "the model is on the meta device: it has no real weights, so no real step can run. "
-            "Materialise it on the target device first (model.to_empty(device=...) and "
-            "initialise), or use autobatch.plan_max_batch to predict without running"
-        )
-    if device is not None:
-        wanted = resolve_device(device)
-        if devices and wanted not in {resolve_device(d) for d in devices}:
-            raise ValueError(
-                f"device={device!r} but the model is on {sorted(map(str, devices))}; move the "
-                "model to the device to search on (the search never moves your model)"
-            )
-        return wanted
-    if len(devices) > 1:
-        raise ValueError(
-            f"the model spans devices {sorted(map(str, devices))}; pass device= to say whose "
-            "memory to search on"
-        )
-    return resolve_device(devices.pop()) if devices else resolve_device(None)
-
-
-def _batch_factory(sample: Sample, device: torch.device) -> Callable[[int], Batch]:
-    if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
-        def from_callable(n: int) -> Batch:
-            batch = sample(n)
-            got = _batch.batch_size(batch)
-            if got != n:
-                raise ValueError(f"sample({n}) returned a batch of {got} rows, expected {n}")
-            return _batch.move_batch(batch, device)
-
-        return from_callable
-    rows = _batch.batch_size(sample)  # validates shapes, names them when inconsistent
-    if rows < 1:
-        raise ValueError("sample has no rows; give at least one example along dimension 0")
-
-    def from_rows(n: int) -> Batch:
-        return _batch.move_batch(_batch.resize_batch(sample, n), device)
-
-    return from_rows
-
-
-def _check_options(
-    min_batch: int, max_batch: int | None, multiple_of: int, headroom: float, steps_per_trial: int
-) -> None:
-    for name, value in (("min_batch", min_batch), ("multiple_of", multiple_of),
-                        ("steps_per_trial", steps_per_trial)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if max_batch is not None and (
-        isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < min_batch
-    ):
-        raise ValueError(f"max_batch must be an int >= min_batch ({min_batch}), got {max_batch!r}")
-    if not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
-        raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
-
 
 def search_batch_size(
     model: nn.Module,
@@ -205,27 +79,54 @@ def search_batch_size(
     default (the CLI turns it on): a cached answer cannot see what other processes hold now.
     Under torch.distributed the cache is not used, so that every rank runs the same trials.
     """
-    _check_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    target = _model_device(model, device)
+    check_search_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
+    check_module("model", model)
+    target = model_device(model, device)
     memory = memory_for(target)
     store = open_cache(cache)
-    if store is not None and not (sync_ranks and _distributed.active()):
-        options: dict[str, Any] = {
-            "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "min_batch": min_batch,
-            "max_batch": max_batch, "multiple_of": multiple_of, "headroom": headroom,
-            "steps_per_trial": steps_per_trial, "scaler": scaler,
-        }
-        return cached_search(
-            store,
-            lambda: search_key(model, sample, optimizer, memory, **options),
-            lambda: search_batch_size(
-                model, sample, optimizer, device=device, start=start, prior=prior, plan=plan,
-                sync_ranks=sync_ranks, **options,
-            ),
-        )[0]
-    make_batch = _batch_factory(sample, target)
+
+    def measured() -> SearchResult:
+        return _measured_search(
+            model, sample, optimizer, target, memory, loss_fn=loss_fn, step_fn=step_fn,
+            train=train, min_batch=min_batch, max_batch=max_batch, multiple_of=multiple_of,
+            headroom=headroom, steps_per_trial=steps_per_trial, scaler=scaler, start=start,
+            prior=prior, plan=plan, sync_ranks=sync_ranks,
+        )
+
+    if store is None or (sync_ranks and _distributed.active()):
+        return measured()
+    options: dict[str, Any] = {
+        "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "min_batch": min_batch,
+        "max_batch": max_batch, "multiple_of": multiple_of, "headroom": headroom,
+        "steps_per_trial": steps_per_trial, "scaler": scaler,
+    }
+    key = lambda: search_key(model, sample, optimizer, memory, **options)  # noqa: E731
+    return cached_search(store, key, measured)[0]
+
+
+def _measured_search(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike,
+    target: torch.device,
+    memory: DeviceMemory,
+    *,
+    loss_fn: LossFn | None,
+    step_fn: StepFn | None,
+    train: bool,
+    min_batch: int,
+    max_batch: int | None,
+    multiple_of: int,
+    headroom: float,
+    steps_per_trial: int,
+    scaler: Any,
+    start: int | None,
+    prior: LinearModel | None,
+    plan: bool,
+    sync_ranks: bool,
+) -> SearchResult:
+    """The search itself, with real trials (the cache, if any, wraps it)."""
+    make_batch = batch_factory(sample, target)
     notes: list[str] = []
     if train and optimizer is None and step_fn is None:
         notes.append("no optimizer given: forward and backward only, optimizer state not counted")
@@ -349,7 +250,7 @@ def _dynamic_batches(make_batch: Callable[[int], Batch]) -> Callable[[int], Batc
     return make
 
 
-def _agreeing(runner: Callable[[int], Outcome]) -> Callable[[int], Outcome]:
+def _agreeing(runner: Callable[[int], Trial]) -> Callable[[int], Trial]:
     """The runner's probe, with every verdict agreed by all ranks: one collective per trial, and
     a second for the peaks of the parts when the trial fit everywhere.
 
@@ -359,7 +260,7 @@ def _agreeing(runner: Callable[[int], Outcome]) -> Callable[[int], Outcome]:
     naming it.
     """
 
-    def probe(size: int) -> Outcome:
+    def probe(size: int) -> Trial:
         try:
             mine = runner(size)
         except Exception:
@@ -377,19 +278,17 @@ def _agreeing(runner: Callable[[int], Outcome]) -> Callable[[int], Outcome]:
             )
         if failed:
             error = mine.error if not mine.fits else "oom on another rank"
-            return Outcome(fits=False, error=error)
+            return dataclasses.replace(mine, fits=False, peak_bytes=None, error=error,
+                                       parts=(), phases=(), curve=None)
         # (most, -fewest) per vector: every rank has as many exactly when the two agree
         parts = mine.parts if spans[0] == -spans[1] else ()
         phases = mine.phases if spans[2] == -spans[3] else ()
         if parts or phases:
             agreed = _distributed.all_max([*parts, *phases])
             parts, phases = tuple(agreed[: len(parts)]), tuple(agreed[len(parts) :])
-        return Outcome(
-            fits=True,
-            peak_bytes=None if peak < 0 else peak,
-            error=mine.error,
-            parts=parts,
-            phases=phases,
+        return dataclasses.replace(
+            mine, fits=True, peak_bytes=None if peak < 0 else peak, parts=parts, phases=phases,
+            curve=None,
         )
 
     return probe
@@ -433,7 +332,7 @@ def _prime(
 
 
 def _nothing_fits(
-    records: list[TrialRecord],
+    records: list[Trial],
     min_batch: int,
     capacity: int,
     device: str,
@@ -459,7 +358,22 @@ def find_max_batch(
     model: nn.Module,
     sample: Sample,
     optimizer: OptimizerLike = None,
-    **options: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    train: bool = True,
+    device: DeviceLike = None,
+    min_batch: int = 1,
+    max_batch: int | None = None,
+    multiple_of: int = 1,
+    headroom: float = DEFAULT_HEADROOM,
+    steps_per_trial: int = 1,
+    scaler: Any = None,
+    start: int | None = None,
+    prior: LinearModel | None = None,
+    plan: bool = False,
+    sync_ranks: bool = True,
+    cache: CacheOption = False,
 ) -> int:
     """The recommended batch size: the largest whose measured peak leaves ``headroom`` of the
     device free (5% by default), found with real training steps; ``headroom=0`` returns the exact
@@ -480,43 +394,38 @@ def find_max_batch(
     >>> n > 100
     True
 
-    Parameters
-    ----------
-    model:
-        The module to train, already on its device.
-    sample:
-        One or a few examples: a tensor, a (nested) tuple/list/dict of tensors sharing dimension
-        0, or a callable ``n -> batch`` (for the worst case, e.g. the longest sequence). Batches
-        of ``n`` are built by cycling the sample's rows and moved to the model's device.
-    optimizer:
-        An optimizer (its state is created and restored), an optimizer class or factory (a
-        temporary one is used), or None (forward and backward only).
-    loss_fn:
-        ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)`` otherwise.
-        Default: a scalar output, ``output.loss`` / ``output["loss"]`` (a Hugging Face model
-        given ``labels``), else a stand-in that keeps as much for backward as a training loss:
-        a cross-entropy over the last dimension of each floating-point output.
-    step_fn:
-        ``step_fn(model, batch)``: your whole step (AMP and GradScaler, clipping, several
-        forwards), run instead of the default one.
-    train:
-        False searches the inference batch: forward only under ``torch.inference_mode()``.
-    device:
-        The device whose memory to search (default: the model's).
-    min_batch, max_batch, multiple_of:
-        The sizes allowed (e.g. ``max_batch=len(dataset)``, ``multiple_of=8`` for tensor cores).
-    headroom:
-        Fraction of the capacity the returned size leaves free at its measured peak (one more
-        trial measures it); 0 returns the exact largest size that fits. Devices without memory
-        statistics (MPS, the CPU) scale the largest size instead, and say so in the notes.
-    steps_per_trial:
-        Steps run at each size (several catch memory that grows over steps).
-    scaler:
-        A ``torch.amp.GradScaler``: used by the default step, and restored afterwards.
+    Args:
+        model: The module to train, already on its device.
+        sample: One or a few examples: a tensor, a (nested) tuple/list/dict of tensors sharing
+            dimension 0, or a callable ``n -> batch`` (for the worst case, e.g. the longest
+            sequence). Batches of ``n`` are built by cycling the sample's rows and moved to the
+            model's device.
+        optimizer: An optimizer (its state is created and restored), an optimizer class or factory
+            (a temporary one is used), or None (forward and backward only).
+        loss_fn: ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)``
+            otherwise. Default: a scalar output, ``output.loss`` / ``output["loss"]`` (a Hugging
+            Face model given ``labels``), else a stand-in that keeps as much for backward as a
+            training loss: a cross-entropy over the last dimension of each floating-point output.
+        step_fn: ``step_fn(model, batch)``: your whole step (AMP and GradScaler, clipping, several
+            forwards), run instead of the default one.
+        train: False searches the inference batch: forward only under ``torch.inference_mode()``.
+        device: The device whose memory to search (default: the model's).
+        min_batch, max_batch, multiple_of: The sizes allowed (e.g. ``max_batch=len(dataset)``,
+            ``multiple_of=8`` for tensor cores).
+        headroom: Fraction of the capacity the returned size leaves free at its measured peak (one
+            more trial measures it); 0 returns the exact largest size that fits. Devices without
+            memory statistics (MPS, the CPU) scale the largest size instead, and say so in the
+            notes.
+        steps_per_trial: Steps run at each size (several catch memory that grows over steps).
+        scaler: A ``torch.amp.GradScaler``: used by the default step, and restored afterwards.
+        start, prior, plan, sync_ranks, cache: As for :func:`search_batch_size`.
 
-    Raises
-    ------
-    BatchSizeError:
-        Even ``min_batch`` does not fit (with the bytes needed and the capacity).
+    Raises:
+        BatchSizeError: Even ``min_batch`` does not fit (with the bytes needed and the capacity).
     """
-    return search_batch_size(model, sample, optimizer, **options).batch_size
+    return search_batch_size(
+        model, sample, optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train, device=device,
+        min_batch=min_batch, max_batch=max_batch, multiple_of=multiple_of, headroom=headroom,
+        steps_per_trial=steps_per_trial, scaler=scaler, start=start, prior=prior, plan=plan,
+        sync_ranks=sync_ranks, cache=cache,
+    ).batch_size

@@ -37,30 +37,31 @@ from autobatch._accounting import (
 )
 from autobatch._backends import CpuMemory, restore_rng_states, save_rng_states
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._finder import DEFAULT_HEADROOM, Sample, _check_options
 from autobatch._log import get_logger, user_stacklevel
-from autobatch._trial import (
-    Batch,
-    LossFn,
-    OptimizerLike,
-    StepFn,
-    is_compiled,
-    make_optimizer,
-    make_step,
-    prime_optimizer,
-    without_compiled,
-)
-from autobatch._units import format_bytes, parse_bytes
-from autobatch.search import (
+from autobatch._search import (
     UNBOUNDED_MAX_SIZE,
     LinearModel,
-    Outcome,
     SearchOutcome,
     Trial,
     extrapolate,
     fit_linear,
     recommend,
     search,
+)
+from autobatch._units import format_bytes, parse_bytes
+from autobatch._validate import check_module, check_search_options, is_sample_factory
+from autobatch._workload import (
+    DEFAULT_HEADROOM,
+    Batch,
+    LossFn,
+    OptimizerLike,
+    Sample,
+    StepFn,
+    is_compiled,
+    make_optimizer,
+    make_step,
+    prime_optimizer,
+    without_compiled,
 )
 
 logger = get_logger("planner")
@@ -374,7 +375,7 @@ def _optimizer_as_on(optimizer: torch.optim.Optimizer, device_type: str) -> list
 def _template(sample: Sample) -> tuple[Batch, str | None]:
     """The sample as meta tensors (no data read); a callable sample is called for one row."""
     note = None
-    if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
+    if is_sample_factory(sample):
         sample = sample(1)
         got = _batch.batch_size(sample)
         if got != 1:
@@ -560,16 +561,16 @@ class _MetaSetup:
         if not self.real:
             return _grow(self.template, n)
         sample = self.sample
-        if callable(sample) and not isinstance(sample, (torch.Tensor, nn.Module)):
+        if is_sample_factory(sample):
             made = sample(n)
             if _batch.batch_size(made) != n:
                 raise ValueError(f"sample({n}) returned a batch of another size")
             return _batch.move_batch(made, "cpu")
         return _batch.move_batch(_batch.resize_batch(sample, n), "cpu")
 
-    def parts(self, n: int) -> Outcome:
+    def parts(self, n: int) -> Trial:
         """One step at ``n`` with the peak of every operator's segment (see
-        :class:`~autobatch.search.Outcome`'s ``parts``)."""
+        the ``parts`` of a :class:`~autobatch._search.Trial`)."""
         batch = self._batch(n)
         self.mode.segments = segments = []
         try:
@@ -579,7 +580,7 @@ class _MetaSetup:
             self.mode.segments = None
             del batch
             self._drop_gradients()
-        return Outcome(fits=True, peak_bytes=max(peak, *segments), parts=tuple(segments))
+        return Trial(n, True, max(peak, *segments), parts=tuple(segments))
 
     def peak(self, n: int) -> int:
         """The planned peak bytes of one step at batch size ``n``."""
@@ -681,56 +682,39 @@ def plan_max_batch(
     modelled (as in the simulator). A ``step_fn`` or ``loss_fn`` must only use the model it is
     given (and module losses, which are copied); a GradScaler is not planned.
 
-    Parameters
-    ----------
-    model:
-        The module to plan for, on any device (``meta`` too); it is copied to ``meta`` without
-        reading its data.
-    sample:
-        One or a few examples, as for :func:`~autobatch.find_max_batch`; a callable ``n -> batch``
-        is called once, as ``sample(1)``, and its row repeated (its rows' shapes must not depend
-        on ``n``).
-    optimizer:
-        An optimizer (copied with its state), an optimizer class or factory, or None.
-    capacity:
-        The device's memory, as bytes or a string with a unit (``"24GiB"``, ``"80GB"``).
-    loss_fn, step_fn, train:
-        As for :func:`~autobatch.find_max_batch`.
-    min_batch, max_batch, multiple_of:
-        The sizes allowed.
-    headroom:
-        Fraction of the capacity the recommended ``batch_size`` leaves free at its peak.
-    overhead:
-        Bytes the device holds besides the step's tensors (CUDA context, often 300-600 MiB and not
-        in ``torch.cuda.memory_allocated``; cuBLAS/cuDNN workspaces; other processes): the peak
-        may use ``capacity - overhead``.
-    block_bytes:
-        The allocator's rounding: 512 as the CUDA caching allocator, 1 for raw bytes.
-    device_type:
-        The kind of device planned for. Tensors the step keeps on the host (Adam's ``step``
-        counters) count only when it is ``"cpu"``, and optimizers left to choose run the
-        implementation torch picks there (``foreach`` on ``"cuda"``); ``"cpu"`` plans what
-        :class:`~autobatch.testing.SimulatedGPU` measures.
+    Args:
+        model: The module to plan for, on any device (``meta`` too); it is copied to ``meta``
+            without reading its data.
+        sample: One or a few examples, as for :func:`~autobatch.find_max_batch`; a callable ``n ->
+            batch`` is called once, as ``sample(1)``, and its row repeated (its rows' shapes must
+            not depend on ``n``).
+        optimizer: An optimizer (copied with its state), an optimizer class or factory, or None.
+        capacity: The device's memory, as bytes or a string with a unit (``"24GiB"``, ``"80GB"``).
+        loss_fn, step_fn, train: As for :func:`~autobatch.find_max_batch`.
+        min_batch, max_batch, multiple_of: The sizes allowed.
+        headroom: Fraction of the capacity the recommended ``batch_size`` leaves free at its peak.
+        overhead: Bytes the device holds besides the step's tensors (CUDA context, often 300-600 MiB
+            and not in ``torch.cuda.memory_allocated``; cuBLAS/cuDNN workspaces; other processes):
+            the peak may use ``capacity - overhead``.
+        block_bytes: The allocator's rounding: 512 as the CUDA caching allocator, 1 for raw bytes.
+        device_type: The kind of device planned for. Tensors the step keeps on the host (Adam's
+            ``step`` counters) count only when it is ``"cpu"``, and optimizers left to choose run
+            the implementation torch picks there (``foreach`` on ``"cuda"``); ``"cpu"`` plans what
+            :class:`~autobatch.testing.SimulatedGPU` measures.
 
-    Raises
-    ------
-    BatchSizeError:
-        Even ``min_batch`` does not fit (with the planned bytes and the capacity).
-    AutobatchError:
-        The step uses a tensor from outside the copies (a ``step_fn`` or ``loss_fn`` that
-        reaches for the real model), or fails on the CPU copy too.
+    Raises:
+        BatchSizeError: Even ``min_batch`` does not fit (with the planned bytes and the capacity).
+        AutobatchError: The step uses a tensor from outside the copies (a ``step_fn`` or ``loss_fn``
+            that reaches for the real model), or fails on the CPU copy too.
 
-    Warns
-    -----
-    UserWarning:
-        The step cannot run on ``meta`` (``.item()``, e.g. on a Hugging Face attention mask,
-        data-dependent shapes, ops without a meta kernel): the message names the module and the
-        operator, and the plan comes from small real steps on a CPU copy (``method="steps"``),
-        as it always does for recurrent layers.
+    Warns:
+        UserWarning: The step cannot run on ``meta`` (``.item()``, e.g. on a Hugging Face
+            attention mask, data-dependent shapes, ops without a meta kernel): the message names
+            the module and the operator, and the plan comes from small real steps on a CPU copy
+            (``method="steps"``), as it always does for recurrent layers.
     """
-    _check_options(min_batch, max_batch, multiple_of, headroom, 1)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_search_options(min_batch, max_batch, multiple_of, headroom, 1)
+    check_module("model", model)
     if not isinstance(device_type, str) or not device_type:
         raise ValueError(f"device_type must be a device type such as 'cuda', got {device_type!r}")
     capacity_bytes = parse_bytes(capacity)
@@ -808,13 +792,13 @@ def _plan_on_meta(
         )
         peaks: dict[int, int] = {}
 
-        def probe(n: int) -> Outcome:
+        def probe(n: int) -> Trial:
             peaks[n] = peak = setup.peak(n)
             logger.info(
                 "planned batch %d: peak %s, %s", n, format_bytes(peak),
                 "fits" if peak <= budget else "does not fit",
             )
-            return Outcome(fits=peak <= budget, peak_bytes=peak)
+            return Trial(n, peak <= budget, peak)
 
         outcome = search(
             probe,
@@ -964,16 +948,17 @@ def _plan_from_steps(
             )
             trials: list[Trial] = []
 
-            def measure(n: int) -> Outcome:
+            def measure(n: int) -> Trial:
                 began = time.perf_counter()
                 outcome = setup.parts(n)
                 peak = outcome.peak_bytes or 0
-                trials.append(Trial(n, peak <= budget, peak, parts=outcome.parts))
+                trial = Trial(n, peak <= budget, peak, parts=outcome.parts)
+                trials.append(trial)
                 logger.info(
                     "measured batch %d on a CPU copy: peak %s, %.2f s", n, format_bytes(peak),
                     time.perf_counter() - began,
                 )
-                return Outcome(fits=peak <= budget, peak_bytes=peak, parts=outcome.parts)
+                return trial
 
             if budget <= _HOST_STEP_BYTES:  # every step fits on this host: measure them all
                 exact = search(measure, min_size=min_batch, max_size=max_batch,

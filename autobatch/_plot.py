@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from autobatch._units import format_bytes
 
 if TYPE_CHECKING:
-    from autobatch._finder import SearchResult
+    from autobatch._result import SearchResult
     from autobatch._throughput import ThroughputResult
 
 #: Figure size in inches, and resolution: saved PNGs are 800 x 500 pixels.
@@ -63,12 +63,9 @@ def plot_search(result: SearchResult, path: str | os.PathLike[str] | None = None
     drawn by their order instead. Saves a PNG (or any format matplotlib knows by the file's
     extension) to ``path`` when given.
 
-    Parameters
-    ----------
-    result:
-        What :func:`~autobatch.search_batch_size` returned.
-    path:
-        Where to save the figure, or None.
+    Args:
+        result: What :func:`~autobatch.search_batch_size` returned.
+        path: Where to save the figure, or None.
     """
     figure = _figure()
     axes = figure.axes[0]
@@ -146,12 +143,9 @@ def plot_throughput(
     fastest size and the chosen one (the smallest within the tolerance) are marked; sizes that
     ran out of memory are crosses on the axis. Saves to ``path`` when given.
 
-    Parameters
-    ----------
-    result:
-        What :func:`~autobatch.find_best_batch` returned.
-    path:
-        Where to save the figure, or None.
+    Args:
+        result: What :func:`~autobatch.find_best_batch` returned.
+        path: Where to save the figure, or None.
     """
     figure = _figure()
     axes = figure.axes[0]

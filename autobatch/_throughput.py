@@ -19,15 +19,19 @@ from torch import nn
 
 from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
 from autobatch._errors import BatchSizeError
-from autobatch._finder import Sample, SearchResult, _batch_factory, _model_device, search_batch_size
+from autobatch._finder import search_batch_size
 from autobatch._log import get_logger
-from autobatch._trial import (
+from autobatch._result import SearchResult
+from autobatch._trial import attempt, prepared
+from autobatch._validate import check_fraction, check_int, check_module
+from autobatch._workload import (
     Batch,
     LossFn,
     OptimizerLike,
+    Sample,
     StepFn,
-    attempt,
-    prepared,
+    batch_factory,
+    model_device,
     prime_optimizer,
 )
 
@@ -126,24 +130,16 @@ def default_candidates(max_batch: int, *, min_batch: int = 1, multiple_of: int =
 
 
 def _check_sizes(candidates: Iterable[int]) -> list[int]:
-    sizes = list(candidates)
-    for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"candidates must be positive ints, got {size!r} in {sizes!r}")
+    sizes = [check_int("each of candidates", size) for size in candidates]
     if not sizes:
         raise ValueError("candidates is empty; give at least one batch size to time")
     return sorted(set(sizes))
 
 
 def _check(tolerance: float, repeats: int, warmup: int) -> None:
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
-        0 <= tolerance < 1
-    ):
-        raise ValueError(f"tolerance must be a fraction in [0, 1), e.g. 0.02; got {tolerance!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    check_fraction("tolerance", tolerance, example="0.02")
+    check_int("repeats", repeats)
+    check_int("warmup", warmup, minimum=0)
 
 
 class _Timer:
@@ -225,33 +221,24 @@ def find_best_batch(
     >>> best.batch_size <= best.max_batch_size
     True
 
-    Parameters
-    ----------
-    model, sample, optimizer, loss_fn, step_fn, train, device:
-        As for :func:`~autobatch.find_max_batch`.
-    max_batch:
-        The largest size to consider. Default: the recommended size of a
-        :func:`~autobatch.search_batch_size` run first (with ``search_options``).
-    candidates:
-        The sizes to time. Default: powers of two up to the maximum, and the maximum.
-    tolerance:
-        The chosen size is the smallest whose samples/second is at least ``1 - tolerance``
-        of the best.
-    repeats, warmup:
-        Timed steps per size (their median counts) and untimed steps before them.
-    search_options:
-        Passed to :func:`~autobatch.search_batch_size` (``headroom``, ``min_batch``,
-        ``multiple_of``, ``scaler``, ...); ``min_batch`` and ``multiple_of`` also shape the
-        default candidates, and ``scaler`` is used by the timed steps.
+    Args:
+        model, sample, optimizer, loss_fn, step_fn, train, device: As for
+            :func:`~autobatch.find_max_batch`.
+        max_batch: The largest size to consider. Default: the recommended size of a
+            :func:`~autobatch.search_batch_size` run first (with ``search_options``).
+        candidates: The sizes to time. Default: powers of two up to the maximum, and the maximum.
+        tolerance: The chosen size is the smallest whose samples/second is at least ``1 -
+            tolerance`` of the best.
+        repeats, warmup: Timed steps per size (their median counts) and untimed steps before them.
+        search_options: Passed to :func:`~autobatch.search_batch_size` (``headroom``, ``min_batch``,
+            ``multiple_of``, ``scaler``, ...); ``min_batch`` and ``multiple_of`` also shape the
+            default candidates, and ``scaler`` is used by the timed steps.
 
-    Raises
-    ------
-    BatchSizeError:
-        No candidate size could run (all ran out of memory).
+    Raises:
+        BatchSizeError: No candidate size could run (all ran out of memory).
     """
     _check(tolerance, repeats, warmup)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_module("model", model)
     search: SearchResult | None = None
     if candidates is not None:
         sizes = _check_sizes(candidates)
@@ -273,7 +260,7 @@ def find_best_batch(
             min_batch=search_options.get("min_batch", 1),
             multiple_of=search_options.get("multiple_of", 1),
         )
-    target = _model_device(model, device)
+    target = model_device(model, device)
     memory = memory_for(target)
     points: list[ThroughputPoint] = []
     with prepared(
@@ -281,7 +268,7 @@ def find_best_batch(
         scaler=search_options.get("scaler"),
     ) as work:
         timer = _Timer(
-            _batch_factory(sample, target), work.step, memory, work.drop_gradients,
+            batch_factory(sample, target), work.step, memory, work.drop_gradients,
             repeats=repeats, warmup=warmup,
         )
         if work.optimizer is not None:

@@ -36,13 +36,10 @@ def parse_bytes(value: int | float | str, *, name: str = "capacity") -> int:
     >>> parse_bytes("512MiB"), parse_bytes("1.5 GB"), parse_bytes(4096), parse_bytes(2**60 + 1)
     (536870912, 1500000000, 4096, 1152921504606846977)
 
-    Parameters
-    ----------
-    value:
-        A byte count (int, or a float holding a whole number of bytes) or a string such as
-        ``"16GiB"``, ``"80GB"``, ``"1.5e9"``.
-    name:
-        The parameter's name, for messages.
+    Args:
+        value: A byte count (int, or a float holding a whole number of bytes) or a string such as
+            ``"16GiB"``, ``"80GB"``, ``"1.5e9"``.
+        name: The parameter's name, for messages.
     """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a byte count or a string like '16GiB', got {value!r}")

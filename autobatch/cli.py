@@ -35,13 +35,16 @@ import torch
 from torch import nn
 
 from autobatch._backends import memory_for, resolve_device
-from autobatch._cache import ResultCache, cached_search, open_cache, result_to_dict, search_key
+from autobatch._cache import ResultCache, cached_search, open_cache, search_key
 from autobatch._errors import BatchSizeError
-from autobatch._finder import SearchResult, _check_options, search_batch_size
+from autobatch._finder import search_batch_size
 from autobatch._oom import oom_kind
+from autobatch._result import SearchResult, result_to_dict
+from autobatch._search import Trial
 from autobatch._throughput import ThroughputPoint, ThroughputResult, _check, find_best_batch
-from autobatch._trial import LossFn, TrialRecord, language_model_loss
 from autobatch._units import format_bytes, parse_bytes
+from autobatch._validate import check_search_options
+from autobatch._workload import LossFn, language_model_loss
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS
 
@@ -165,7 +168,7 @@ def _search_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``autobatch`` argument parser."""
-    from autobatch import __version__
+    from autobatch._version import __version__
 
     parser = _Parser(
         prog=PROG,
@@ -501,7 +504,7 @@ class _Progress(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             item = record.args[0] if isinstance(record.args, tuple) and record.args else None
-            if isinstance(item, TrialRecord):
+            if isinstance(item, Trial):
                 self.trials += 1
                 print(f"  trial {self.trials:>2}  {item}", file=self.stream, flush=True)
             elif isinstance(item, ThroughputPoint):
@@ -639,7 +642,7 @@ def _search_options_of(args: argparse.Namespace) -> dict[str, Any]:
     """The search options, checked: a bad one is a usage error before anything runs (a
     ``ValueError`` raised later comes from the model or the sample, not from the command line)."""
     try:
-        _check_options(args.min_batch, args.max_batch, args.multiple_of, args.headroom, 1)
+        check_search_options(args.min_batch, args.max_batch, args.multiple_of, args.headroom, 1)
     except (TypeError, ValueError) as error:
         raise UsageError(f"--{str(error).replace('_', '-')}") from None
     return {
@@ -715,7 +718,7 @@ def _find(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     try:
-        _check_options(1, None, 1, args.headroom, 1)
+        check_search_options(1, None, 1, args.headroom, 1)
     except (TypeError, ValueError) as error:
         raise UsageError(f"--{error}") from None
     work = WORKLOADS[args.workload]

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 from torch.utils.data import Sampler
 
+from autobatch._validate import check_int
+
 __all__ = ["MemoryAwareBatchSampler", "SizeTable"]
 
 
@@ -21,14 +23,6 @@ class SizeTable(Protocol):
     """Anything that says how many samples of a given length fit in one batch."""
 
     def batch_size(self, length: int) -> int: ...
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
 
 
 def _as_int(value: object) -> object:
@@ -88,7 +82,7 @@ class MemoryAwareBatchSampler(Sampler[list[int]]):
     ) -> None:
         if hasattr(lengths, "tolist"):  # a tensor or an array
             lengths = lengths.tolist()
-        self.lengths = [_check_int("every length", _as_int(n), 0) for n in lengths]
+        self.lengths = [check_int("every length", _as_int(n), minimum=0) for n in lengths]
         size_of = getattr(table, "batch_size", table)
         if not callable(size_of):
             raise TypeError(
@@ -97,24 +91,24 @@ class MemoryAwareBatchSampler(Sampler[list[int]]):
             )
         self._size_of: Callable[[int], int] = size_of
         self.shuffle = bool(shuffle)
-        self.seed = _check_int("seed", seed, -(2**63))
+        self.seed = check_int("seed", seed, minimum=-(2**63))
         self.drop_last = bool(drop_last)
-        self.max_batch = None if max_batch is None else _check_int("max_batch", max_batch, 1)
-        self.num_replicas = _check_int("num_replicas", num_replicas, 1)
-        self.rank = _check_int("rank", rank, 0)
+        self.max_batch = None if max_batch is None else check_int("max_batch", max_batch, minimum=1)
+        self.num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+        self.rank = check_int("rank", rank, minimum=0)
         if self.rank >= self.num_replicas:
             raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
         self._sizes: dict[int, int] = {}
         if bucket_size is None:
             median = sorted(self.lengths)[len(self.lengths) // 2] if self.lengths else 0
             bucket_size = 64 * self.num_replicas * (self._allowed(median) if self.lengths else 1)
-        self.bucket_size = _check_int("bucket_size", bucket_size, 1)
+        self.bucket_size = check_int("bucket_size", bucket_size, minimum=1)
         self.epoch = 0
         self._cache: tuple[int, list[list[int]]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Use the shuffling of ``epoch`` (call at the start of every epoch)."""
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.epoch = check_int("epoch", epoch, minimum=0)
 
     def _allowed(self, length: int) -> int:
         """The batch size for one rank at ``length``, checked."""

@@ -48,7 +48,8 @@ from torch import nn
 
 import autobatch
 from autobatch._backends import DeviceMemory, memory_for
-from autobatch._trial import _StepPeaks, prime_optimizer
+from autobatch._measure import _StepPeaks
+from autobatch._workload import prime_optimizer
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import TinyTransformer, conv_net, mlp
 

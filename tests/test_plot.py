@@ -11,8 +11,8 @@ from torch import nn
 
 from autobatch import SearchResult, search_batch_size
 from autobatch._plot import DPI, FIGSIZE, plot_search, plot_throughput
+from autobatch._search import Trial
 from autobatch._throughput import ThroughputPoint, ThroughputResult
-from autobatch._trial import TrialRecord
 from autobatch.testing import SimulatedGPU
 
 pytest.importorskip("matplotlib", reason="plots need the [plot] extra (matplotlib)")
@@ -68,8 +68,8 @@ def test_search_without_memory_statistics_plots_trials_by_order(tmp_path: Path) 
     result = SearchResult(
         batch_size=60, max_batch_size=64, capacity_bytes=2**34, device="mps", headroom=0.05,
         train=True, optimizer_counted=True, memory_model=None, smallest_failing=128,
-        trials=(TrialRecord(1, True, None, 0.1), TrialRecord(128, False, None, 0.2, "mps"),
-                TrialRecord(64, True, None, 0.2)),
+        trials=(Trial(1, True, None, 0.1), Trial(128, False, None, 0.2, "mps"),
+                Trial(64, True, None, 0.2)),
     )
     figure = plot_search(result, tmp_path / "blind.png")
     assert png_size(tmp_path / "blind.png") == (WIDTH, HEIGHT)

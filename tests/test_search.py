@@ -22,7 +22,6 @@ from autobatch.search import (
     Exponential,
     LinearModel,
     ModelGuided,
-    Outcome,
     SearchOutcome,
     SearchState,
     Trial,
@@ -54,11 +53,12 @@ class Oracle:
     def __post_init__(self) -> None:
         self.calls: list[int] = []
 
-    def __call__(self, n: int) -> Outcome:
+    def __call__(self, n: int) -> Trial:
         self.calls.append(n)
         if not self.fits(n):
-            return Outcome(fits=False, error="oom")
-        return Outcome(
+            return Trial(n, fits=False, error="oom")
+        return Trial(
+            n,
             fits=True,
             peak_bytes=None if self.peak is None else self.peak(n),
             parts=() if self.parts is None or self.peak is None else self.parts(n),
@@ -209,7 +209,7 @@ def test_even_the_smallest_size_fails() -> None:
 
 
 def test_non_memory_failure_at_min_size_is_reported_as_such() -> None:
-    outcome = search(lambda n: Outcome(fits=False, error="size_limit"))
+    outcome = search(lambda n: Trial(n, fits=False, error="size_limit"))
     assert outcome.largest_fit is None
     assert outcome.trials == (Trial(size=1, fits=False, error="size_limit"),)
 
@@ -271,7 +271,7 @@ def test_bad_arguments_name_the_parameter(
 
 
 def test_probe_must_return_an_outcome() -> None:
-    with pytest.raises(TypeError, match="Outcome"):
+    with pytest.raises(TypeError, match="Trial"):
         search(lambda n: True)  # type: ignore[arg-type,return-value]
 
 
@@ -293,9 +293,9 @@ def test_policy_must_return_an_int() -> None:
         ({"fits": False, "error": 3}, TypeError),
     ],
 )
-def test_outcome_is_checked(kwargs: dict[str, object], error: type[Exception]) -> None:
+def test_trial_is_checked(kwargs: dict[str, object], error: type[Exception]) -> None:
     with pytest.raises(error):
-        Outcome(**kwargs)  # type: ignore[arg-type]
+        Trial(4, **kwargs)  # type: ignore[arg-type]
 
 
 def test_policies_check_their_options() -> None:
@@ -615,16 +615,16 @@ def test_recommended_peak_is_within_the_headroom_on_any_bent_curve(
     def parts(n: int) -> tuple[int, ...]:
         return tuple(rounded(fixed + per_sample * n, 512) for fixed, per_sample in lines)
 
-    def probe(n: int) -> Outcome:
+    def probe(n: int) -> Trial:
         peak = max(parts(n))
-        return Outcome(fits=peak <= capacity, peak_bytes=peak, parts=parts(n))
+        return Trial(n, fits=peak <= capacity, peak_bytes=peak, parts=parts(n))
 
     assume(probe(multiple_of).fits)
     outcome = search(probe, capacity_bytes=capacity, multiple_of=multiple_of)
     assert outcome.largest_fit is not None
     asked: list[int] = []
 
-    def counting(n: int) -> Outcome:
+    def counting(n: int) -> Trial:
         asked.append(n)
         return probe(n)
 
@@ -664,9 +664,13 @@ def test_one_debug_line_per_trial(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_docstring_examples_run() -> None:
-    failed, attempted = doctest.testmod(autobatch.search)
-    assert attempted > 10
-    assert failed == 0
+    from autobatch._search import _engine, _model, _policies
+
+    results = [
+        doctest.testmod(module) for module in (autobatch.search, _model, _policies, _engine)
+    ]
+    assert sum(r.attempted for r in results) > 10
+    assert sum(r.failed for r in results) == 0
 
 
 # --- phases: the optimizer step's constant does not bend the line ----------------------------------
@@ -684,12 +688,12 @@ def test_phase_peaks_straighten_a_kinked_curve(target: int) -> None:
 
     capacity = max(phases(target)) + (max(phases(target + 1)) - max(phases(target))) // 2
 
-    def probe(n: int) -> Outcome:
+    def probe(n: int) -> Trial:
         backward, step = phases(n)
         peak = max(backward, step)
         if peak > capacity:
-            return Outcome(fits=False, error="oom")
-        return Outcome(fits=True, peak_bytes=peak, parts=(backward, step))
+            return Trial(n, fits=False, error="oom")
+        return Trial(n, fits=True, peak_bytes=peak, parts=(backward, step))
 
     phased = search(probe, capacity_bytes=capacity)
     assert phased.largest_fit == target
@@ -737,12 +741,12 @@ def test_a_convex_curve_told_by_its_parts_is_solved_in_five_trials(
     assume(binding[1] >= 4096)  # a flat line binds up to some size; past it, a growing one
     calls: list[int] = []
 
-    def probe(n: int) -> Outcome:
+    def probe(n: int) -> Trial:
         calls.append(n)
         measured = parts(n)
         if max(measured) > capacity:
-            return Outcome(fits=False, error="oom")
-        return Outcome(fits=True, peak_bytes=max(measured), parts=measured)
+            return Trial(n, fits=False, error="oom")
+        return Trial(n, fits=True, peak_bytes=max(measured), parts=measured)
 
     outcome = search(probe, capacity_bytes=capacity)
     answer = expected_answer(lambda n: max(parts(n)) <= capacity, 1, UNBOUNDED_MAX_SIZE, 1)
@@ -811,7 +815,7 @@ def test_thousands_of_parts_are_cheap() -> None:
 # --- a probe's own curve ----------------------------------------------------------------------
 
 
-def _staircase(storages: list[tuple[int, int]], capacity: int, honest: bool = True) -> Callable[[int], Outcome]:
+def _staircase(storages: list[tuple[int, int]], capacity: int, honest: bool = True) -> Callable[[int], Trial]:
     """A step whose peak is the sum of its storages, each rounded up to 512 bytes, that reports
     its exact curve (or, ``honest=False``, one that is off by a block beyond size 50)."""
 
@@ -821,8 +825,8 @@ def _staircase(storages: list[tuple[int, int]], capacity: int, honest: bool = Tr
     def told(n: int) -> int:
         return peak(n) - (512 if not honest and n > 50 else 0)
 
-    def probe(n: int) -> Outcome:
-        return Outcome(fits=peak(n) <= capacity, peak_bytes=peak(n), curve=told)
+    def probe(n: int) -> Trial:
+        return Trial(n, fits=peak(n) <= capacity, peak_bytes=peak(n), curve=told)
 
     return probe
 

@@ -13,8 +13,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autobatch._backends import memory_for
 from autobatch._batch import resize_batch
-from autobatch._trial import TrialRunner, make_step, per_operator_possible, prime_optimizer
-from autobatch.search import Outcome
+from autobatch._measure import per_operator_possible
+from autobatch._search import Trial
+from autobatch._trial import TrialRunner
+from autobatch._workload import make_step, prime_optimizer
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS, mlp
 
@@ -23,7 +25,7 @@ CE = nn.functional.cross_entropy
 
 def _runner(
     model: nn.Module, per_operator: bool = True, name: str = "mlp"
-) -> tuple[Callable[[int], Outcome], torch.optim.Optimizer]:
+) -> tuple[Callable[[int], Trial], torch.optim.Optimizer]:
     """A trial runner on the current memory backend, with Adam's state already resident."""
     sample = WORKLOADS[name].sample(8)
     opt = torch.optim.Adam(model.parameters())
@@ -138,7 +140,7 @@ def test_the_stand_in_loss_keeps_at_least_what_a_cross_entropy_keeps(
 ) -> None:
     """Without a loss_fn or labels the stand-in must not be cheaper than a training loss: a
     language model's cross-entropy over its vocabulary keeps the log-probabilities."""
-    from autobatch._trial import loss_of
+    from autobatch._workload import loss_of
 
     def peak(loss: Callable[[torch.Tensor], torch.Tensor]) -> int:
         with SimulatedGPU(2**40) as gpu:

@@ -28,6 +28,7 @@ from autobatch._batch import (
 )
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_stacklevel
+from autobatch._measure import PeakKeeping, _PhasePeaks
 from autobatch._oom import is_oom_error, oom_kind
 from autobatch._recovery._accumulate import _Accumulation, _reset_scaler
 from autobatch._recovery._attempt import (
@@ -48,7 +49,6 @@ from autobatch._recovery._ranks import (
 from autobatch._recovery._records import SizeChange, _Tally
 from autobatch._recovery._results import _combine
 from autobatch._recovery._sizes import _Sizes, _TooSmall
-from autobatch._trial import PeakKeeping, _PhasePeaks
 from autobatch._units import format_bytes
 
 logger = get_logger("recovery")

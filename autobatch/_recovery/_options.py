@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from autobatch._backends import DeviceLike
+from autobatch._validate import check_fraction, check_int, check_module
 
 Policy = Literal["accumulate", "shrink"]
 Reduction = Literal["mean", "sum"]
@@ -67,9 +68,9 @@ class RecoveryOptions:
             )
         if self.batch_arg is not None and not isinstance(self.batch_arg, str):
             raise TypeError(f"batch_arg must be a parameter name (str), got {self.batch_arg!r}")
-        _check_count("min_batch", self.min_batch)
+        check_int("min_batch", self.min_batch)
         if self.grow_after is not None:
-            _check_count("grow_after", self.grow_after)
+            check_int("grow_after", self.grow_after)
         if self.scaler is not None and not all(
             callable(getattr(self.scaler, name, None))
             for name in ("scale", "step", "update", "unscale_")
@@ -77,14 +78,9 @@ class RecoveryOptions:
             raise TypeError(
                 f"scaler must be a torch.amp.GradScaler, got {type(self.scaler).__name__}"
             )
-        if self.model is not None and not isinstance(self.model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
-        if not (
-            isinstance(self.headroom, (int, float))
-            and not isinstance(self.headroom, bool)
-            and 0 <= self.headroom < 1
-        ):
-            raise ValueError(f"headroom must be a fraction in [0, 1), got {self.headroom!r}")
+        if self.model is not None:
+            check_module("model", self.model)
+        check_fraction("headroom", self.headroom, example="0.1")
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -103,10 +99,3 @@ class RecoveryOptions:
             "optimizer must be a torch.optim.Optimizer or a non-empty list of distinct ones "
             f"(every optimizer the step calls), got {given!r}"
         )
-
-
-def _check_count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")

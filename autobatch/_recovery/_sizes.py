@@ -6,7 +6,7 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from autobatch.search import LinearModel, fit_linear
+from autobatch._search import LinearModel, fit_linear
 
 #: The measuring piece after an OOM without a memory model is this fraction of the failed size.
 PROBE_DIVISOR = 8

@@ -187,21 +187,18 @@ class CachingAllocator:
     >>> a.free(x); a.empty_cache(); a.reserved_bytes
     0
 
-    Parameters
-    ----------
-    limit:
-        Bytes the allocator may reserve in all (the device's memory less what other processes
-        hold, or a per-process cap as set by ``torch.cuda.set_per_process_memory_fraction``).
-    expandable_segments:
-        One segment per pool that grows by whole pages (``expandable_segments:True``).
-    max_split_size:
-        Blocks of this size or more are never split (``max_split_size_mb``, in bytes).
-    max_non_split_rounding:
-        How much larger than a request (itself ``>= max_split_size``) an unsplittable cached
-        block may be and still serve it (``max_non_split_rounding_mb``, in bytes).
-    address_space:
-        Bytes of address space an expandable segment spans (the source takes 9/8 of the
-        device's memory); defaults to 9/8 of ``limit``.
+    Args:
+        limit: Bytes the allocator may reserve in all (the device's memory less what other processes
+            hold, or a per-process cap as set by ``torch.cuda.set_per_process_memory_fraction``).
+        expandable_segments: One segment per pool that grows by whole pages
+            (``expandable_segments:True``).
+        max_split_size: Blocks of this size or more are never split (``max_split_size_mb``, in
+            bytes).
+        max_non_split_rounding: How much larger than a request (itself ``>= max_split_size``) an
+            unsplittable cached block may be and still serve it (``max_non_split_rounding_mb``, in
+            bytes).
+        address_space: Bytes of address space an expandable segment spans (the source takes 9/8 of
+            the device's memory); defaults to 9/8 of ``limit``.
     """
 
     def __init__(

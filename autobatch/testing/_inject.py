@@ -96,23 +96,18 @@ class inject_oom(TorchDispatchMode):  # used like a function: `with inject_oom(.
     >>> caught, fault.fired
     (True, 1)
 
-    Parameters
-    ----------
-    kind:
-        Which backend's error to raise: one of :data:`OOM_KINDS` (``"cuda"``, ``"cuda_runtime"``,
-        ``"hip"``, ``"cublas"``, ``"cudnn"``, ``"cufft"``, ``"mps"``, ``"xpu"``, ``"cpu"``).
-    at_op:
-        Fire at the n-th operator (from 1) among those that meet the other conditions.
-    batch_over:
-        Fire at an operator that takes a tensor (or a view of one) whose dimension 0 is larger
-        than this. Model
-        state never triggers it: parameters and their views, tensors shaped like a parameter
-        or its transpose (gradients), and everything inside ``optimizer.step``.
-    phase:
-        ``"forward"`` (outside backward and the optimizer), ``"backward"`` (inside autograd's
-        backward) or ``"optimizer"`` (inside any ``optimizer.step``).
-    times:
-        How many times to fire; then operators pass untouched.
+    Args:
+        kind: Which backend's error to raise: one of :data:`OOM_KINDS` (``"cuda"``,
+            ``"cuda_runtime"``, ``"hip"``, ``"cublas"``, ``"cudnn"``, ``"cufft"``, ``"mps"``,
+            ``"xpu"``, ``"cpu"``).
+        at_op: Fire at the n-th operator (from 1) among those that meet the other conditions.
+        batch_over: Fire at an operator that takes a tensor (or a view of one) whose dimension 0 is
+            larger than this. Model state never triggers it: parameters and their views, tensors
+            shaped like a parameter or its transpose (gradients), and everything inside
+            ``optimizer.step``.
+        phase: ``"forward"`` (outside backward and the optimizer), ``"backward"`` (inside autograd's
+            backward) or ``"optimizer"`` (inside any ``optimizer.step``).
+        times: How many times to fire; then operators pass untouched.
     """
 
     def __init__(

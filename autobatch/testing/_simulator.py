@@ -6,7 +6,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
@@ -68,30 +68,24 @@ class SimulatedGPU:
     >>> gpu.peak_bytes > gpu.capacity_bytes // 64, gpu.peak_reserved_bytes >= gpu.peak_bytes
     (True, True)
 
-    Parameters
-    ----------
-    capacity:
-        Total memory, as bytes or a string with a unit (``"512MiB"``, ``"16GiB"``, ``"80GB"``).
-    allocator:
-        ``"exact"`` (allocated bytes) or ``"caching"`` (CUDA's caching allocator: reserved
-        segments, fragmentation, release and retry).
-    expandable_segments:
-        Caching model only: one segment per pool that grows by whole pages (2 MiB small,
-        20 MiB large). ``None`` reads ``expandable_segments:True`` from
-        ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``), as torch does.
-    max_split_size_mb:
-        Caching model only: cached blocks of this many MiB or more are never split (at least
-        20, as torch requires). ``None`` reads ``max_split_size_mb:N`` from the same variable.
-    block_bytes:
-        Allocation rounding of the exact model; 512 matches ``torch.cuda.memory_allocated``, 1
-        counts raw bytes. The caching model always rounds as the allocator does (512).
-    device_index:
-        The GPU number printed in the out-of-memory message.
-    adopt:
-        Modules, optimizers or tensors to count from the start (see :meth:`adopt`).
-    used_elsewhere:
-        Memory held by other processes on the same GPU: the capacity stays the device's total,
-        but only the rest can be allocated (as with a shared card).
+    Args:
+        capacity: Total memory, as bytes or a string with a unit (``"512MiB"``, ``"16GiB"``,
+            ``"80GB"``).
+        allocator: ``"exact"`` (allocated bytes) or ``"caching"`` (CUDA's caching allocator:
+            reserved segments, fragmentation, release and retry).
+        expandable_segments: Caching model only: one segment per pool that grows by whole pages (2
+            MiB small, 20 MiB large). ``None`` reads ``expandable_segments:True`` from
+            ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``), as torch does.
+        max_split_size_mb: Caching model only: cached blocks of this many MiB or more are never
+            split (at least 20, as torch requires). ``None`` reads ``max_split_size_mb:N`` from the
+            same variable.
+        block_bytes: Allocation rounding of the exact model; 512 matches
+            ``torch.cuda.memory_allocated``, 1 counts raw bytes. The caching model always rounds as
+            the allocator does (512).
+        device_index: The GPU number printed in the out-of-memory message.
+        adopt: Modules, optimizers or tensors to count from the start (see :meth:`adopt`).
+        used_elsewhere: Memory held by other processes on the same GPU: the capacity stays the
+            device's total, but only the rest can be allocated (as with a shared card).
 
     Tensors created on other threads than the one that entered are not counted, except
     autograd's backward, which torch runs with the entering thread's modes. A storage resized
@@ -464,10 +458,8 @@ def allocator_config(environ: Mapping[str, str]) -> dict[str, Any]:
     >>> allocator_config({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64"})
     {'expandable_segments': True, 'max_split_size': 67108864}
 
-    Parameters
-    ----------
-    environ:
-        The environment (``os.environ``).
+    Args:
+        environ: The environment (``os.environ``).
 
     Recognised: ``expandable_segments:True|False``, ``max_split_size_mb:N`` and
     ``max_non_split_rounding_mb:N`` (N >= 20, as ``c10/core/AllocatorConfig.cpp`` requires).
@@ -538,6 +530,14 @@ class SimulatedMemory(_backends.DeviceMemory):
 
     def capacity_bytes(self) -> int:
         return self.gpu.capacity_bytes
+
+    def uncounted_bytes(self, objects: Iterable[Any]) -> int:
+        ledger = self.gpu.ledger
+        return sum(
+            ledger.size_of(storage)
+            for storage in storages(list(objects))
+            if storage.device.type == self.device.type and storage not in ledger
+        )
 
     def allocated_bytes(self) -> int:
         return self.gpu.allocated_bytes

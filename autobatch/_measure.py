@@ -1,0 +1,353 @@
+"""Measuring a step's memory through the backend registry: the peak of every operator it
+dispatches (and of its phases), every storage it creates and frees, and peak counters reset in a
+way the user never sees. Knows nothing of sizes or searches.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autobatch._backends import DeviceMemory
+from autobatch._oom import failure_kind
+
+
+class PeakKeeping(DeviceMemory):
+    """A device's memory whose peak counter autobatch may reset, as the user never sees.
+
+    Measuring a trial (or a micro-batch) means resetting the device's peak statistic
+    (``torch.cuda.reset_peak_memory_stats``), which would wipe the peak the user logs with
+    ``max_memory_allocated()``. Every reset through this wrapper first reads the peak it ends,
+    and :meth:`restore_peak` puts back the peak the device really reached since the user's own
+    last reset: the highest of those readings, reached again by a transient allocation of the
+    difference (which the device's allocator rounds as it does any allocation) when the counter
+    is lower. Everything else is the wrapped backend's.
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        super().__init__(memory.device)
+        self.inner = memory
+        self.has_statistics = memory.has_statistics  # type: ignore[misc]
+        self.highest = memory.peak_bytes() if memory.has_statistics else 0
+
+    def capacity_bytes(self) -> int:
+        return self.inner.capacity_bytes()
+
+    def allocated_bytes(self) -> int:
+        return self.inner.allocated_bytes()
+
+    def peak_bytes(self) -> int:
+        return self.inner.peak_bytes()
+
+    def reset_peak(self) -> None:
+        if self.has_statistics:
+            self.highest = max(self.highest, self.inner.peak_bytes())
+        self.inner.reset_peak()
+
+    def free_bytes(self) -> int:
+        return self.inner.free_bytes()
+
+    def reserved_bytes(self) -> int | None:
+        return self.inner.reserved_bytes()
+
+    def peak_reserved_bytes(self) -> int | None:
+        return self.inner.peak_reserved_bytes()
+
+    def memory_stats(self) -> dict[str, int] | None:
+        return self.inner.memory_stats()
+
+    def uncounted_bytes(self, objects: Iterable[Any]) -> int:
+        return self.inner.uncounted_bytes(objects)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def empty_cache(self) -> None:
+        self.inner.empty_cache()
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def restore_peak(self) -> None:
+        """Raise the device's peak counter back to the highest peak seen (see the class)."""
+        if not self.has_statistics:
+            return
+        if self.inner.peak_bytes() >= self.highest:
+            return
+        missing = self.highest - self.inner.allocated_bytes()  # allocated on top of what is
+        if missing <= 0 or missing > self.inner.free_bytes():
+            return
+        try:
+            with torch.no_grad():
+                torch.empty(missing, dtype=torch.uint8, device=self.device)
+        except Exception as error:  # another process took the memory: the counter stays low
+            if failure_kind(error) is None:
+                raise
+        self.highest = max(self.highest, self.inner.peak_bytes())
+
+
+def per_operator_possible(model: nn.Module) -> bool:
+    """Whether per-operator peaks measure ``model`` as it really runs: not when it (or a
+    submodule) is compiled, since compiled code runs eagerly while a dispatch mode is active."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    for module in model.modules():
+        if optimized is not None and isinstance(module, optimized):
+            return False
+        if getattr(module, "_compiled_call_impl", None) is not None:  # nn.Module.compile()
+            return False
+    return True
+
+
+class _StepPeaks:
+    """The peaks of a trial's parts: of every operator it dispatches, and of its two phases.
+
+    The trial's time is cut into segments, one per dispatched operator (from its call to the
+    next operator's) and at the optimizer step's start and end; a segment's part is its peak,
+    so the parts' maximum is the trial's peak. Each part is affine in the batch size when the
+    same operators run at every size, so the step's convex curve (the maximum of those lines)
+    is known from two small trials. The phases are the parts' maxima outside ``optimizer.step``
+    (forward, backward) and inside it. Only :class:`~autobatch._backends.DeviceMemory` is
+    asked (its peak, read and reset around each operator), so any backend with statistics
+    works. The operator mode is entered last, so it wraps any other dispatch mode (a simulated
+    GPU's accounting included).
+    """
+
+    def __init__(self, memory: DeviceMemory, *, per_operator: bool = True) -> None:
+        self.memory = memory
+        self.statistics = memory.has_statistics
+        self.per_operator = per_operator and self.statistics
+        self.storages: _Storages | None = _Storages() if self.per_operator else None
+        self.base = 0
+        self.operators: list[int] = []
+        self.outside = 0
+        self.inside: int | None = None
+        self._stepping = False
+        self._hooks: list[Any] = []
+        self._mode: _OperatorMode | None = None
+
+    def close_segment(self, restart: bool = True) -> None:
+        """Ends the current segment: its peak becomes a part, and (``restart``) a new
+        measurement starts."""
+        memory = self.memory
+        peak = memory.peak_bytes()
+        if restart:
+            memory.reset_peak()
+        if self.per_operator:
+            self.operators.append(peak)
+            if self.storages is not None:
+                self.storages.segment += 1
+        if self._stepping:
+            self.inside = peak if self.inside is None else max(self.inside, peak)
+        elif peak > self.outside:
+            self.outside = peak
+
+    def _before_step(self, *_: Any) -> None:
+        self.close_segment()
+        self._stepping = True
+
+    def _after_step(self, *_: Any) -> None:
+        self.close_segment()
+        self._stepping = False
+
+    def __enter__(self) -> _StepPeaks:
+        self.base = self.memory.allocated_bytes() if self.statistics else 0
+        if self.statistics:
+            self._hooks = [
+                register_optimizer_step_pre_hook(self._before_step),
+                register_optimizer_step_post_hook(self._after_step),
+            ]
+        if self.per_operator:
+            try:
+                mode = _OperatorMode(self)
+                mode.__enter__()
+            except BaseException:
+                self._remove_hooks()
+                raise
+            self._mode = mode
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        self._remove_hooks()
+        if self.statistics:  # the last segment; the peak is left running, as it was found
+            self.close_segment(restart=False)
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    @property
+    def peak(self) -> int:
+        """The trial's peak: the maximum of its parts."""
+        return max(self.outside, self.inside or 0)
+
+    def parts(self) -> tuple[int, ...]:
+        """Every segment's peak in order (one per operator), or ``()`` when not recorded."""
+        return tuple(self.operators) if len(self.operators) >= 2 else ()
+
+    def phases(self) -> tuple[int, ...]:
+        """``(outside, inside)`` when an optimizer stepped, else ``()``."""
+        return () if self.inside is None else (self.outside, self.inside)
+
+
+class _OperatorMode(TorchDispatchMode):
+    """Closes a segment of :class:`_StepPeaks` as each operator starts."""
+
+    def __init__(self, peaks: _StepPeaks) -> None:
+        super().__init__()
+        self.close = peaks.close_segment
+        self.storages = peaks.storages
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.close()
+        out = func(*args, **(kwargs or {}))
+        if self.storages is not None:
+            self.storages.born(out, (args, kwargs))
+        return out
+
+
+class _Storages:
+    """Every storage a trial's operators create, in order: when each is born (its raw bytes)
+    and when it dies, by the segment (operator) it happens in. Two trials with the same events
+    give each storage's size as a line in the batch size, so the peak at any size is known to
+    the byte, the allocator's rounding of each storage included (see :func:`_curve`)."""
+
+    def __init__(self) -> None:
+        self.segment = 0
+        self.events: list[tuple[int, int, int]] = []  # (segment, serial, bytes; -1: died)
+        self.serials: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}  # serial -> bytes at birth
+        self.exact = True  # False once something happened that the events cannot replay
+
+    def born(self, out: Any, inputs: Any) -> None:
+        """Record the new storages among an operator's outputs (a view of an input, or of a
+        storage made before the trial, is none)."""
+        views: set[int] | None = None
+        stack = [out]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, (list, tuple)):
+                stack.extend(reversed(value))
+            elif isinstance(value, torch.Tensor):
+                if value.layout is not torch.strided or value.is_nested:
+                    continue
+                storage = value.untyped_storage()
+                key = int(storage._cdata)
+                nbytes = int(storage.nbytes())
+                serial = self.serials.get(key)
+                if serial is None:
+                    if views is None:
+                        views = _storage_keys(inputs)
+                    if key in views:
+                        continue
+                    serial = self.serials[key] = len(self.sizes)
+                    self.sizes[serial] = nbytes
+                    self.events.append((self.segment, serial, nbytes))
+                    weakref.finalize(storage, self._died, key, serial)
+                elif nbytes != self.sizes[serial]:
+                    self.exact = False  # a storage grew in place
+
+    def _died(self, key: int, serial: int) -> None:
+        if self.serials.get(key) == serial:
+            del self.serials[key]
+        self.events.append((self.segment, serial, -1))
+
+    def structure(self) -> tuple[tuple[int, int, bool], ...]:
+        return tuple((segment, serial, nbytes >= 0) for segment, serial, nbytes in self.events)
+
+
+def _storage_keys(values: Any) -> set[int]:
+    """The storages of every tensor among an operator's arguments."""
+    keys: set[int] = set()
+    stack = [values]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif (
+            isinstance(value, torch.Tensor)
+            and value.layout is torch.strided
+            and not value.is_nested
+        ):
+            keys.add(int(value.untyped_storage()._cdata))
+    return keys
+
+
+def _curve(
+    trials: list[tuple[int, int, list[tuple[int, int, int]], int]], block: int
+) -> Callable[[int], int] | None:
+    """The peak at any size from two trials' storage events (``(size, base, events, peak)``,
+    alike but for sizes): each storage's bytes are a line through its two sizes (``None`` when
+    one is not), every storage is rounded up to ``block``, and the peak is the highest the
+    running total reaches. ``None`` unless it gives both trials' measured peaks exactly."""
+    (n1, base1, events1, peak1), (n2, base2, events2, peak2) = trials[-2:]
+    if base1 != base2 or n1 == n2:
+        return None
+    lines: dict[int, tuple[int, int]] = {}
+    for (_, serial, a), (_, _, b) in zip(events1, events2, strict=True):
+        if a < 0:
+            continue
+        slope, rest = divmod(b - a, n2 - n1)
+        if rest:
+            return None  # not affine in the size: no storage-exact curve
+        lines[serial] = (slope, a - slope * n1)
+    order = [(serial, nbytes < 0) for _, serial, nbytes in events1]
+
+    def peak(n: int) -> int:
+        live: dict[int, int] = {}
+        total = highest = base1
+        for serial, died in order:
+            if died:
+                total -= live.pop(serial, 0)
+            else:
+                slope, offset = lines[serial]
+                raw = slope * n + offset
+                if raw < 0:
+                    raise ValueError(f"a storage would have {raw} bytes at size {n}")
+                size = -(-raw // block) * block
+                live[serial] = size
+                total += size
+                highest = max(highest, total)
+        return highest
+
+    if peak(n1) != peak1 or peak(n2) != peak2:
+        return None
+    return peak
+
+
+class _PhasePeaks(_StepPeaks):
+    """The peaks of a trial's phases: outside ``optimizer.step`` (forward, backward) and inside it.
+
+    The step's peak is their maximum; fitted apart, each is a straight line in the batch size,
+    while their maximum bends where the optimizer step stops setting the peak.
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        super().__init__(memory, per_operator=False)
+
+    def peaks(self) -> tuple[int, ...]:
+        """``(outside, inside)`` when an optimizer stepped, else ``()``."""
+        return self.phases()

@@ -1,0 +1,194 @@
+"""The record of a search, :class:`SearchResult`, and its JSON form (what the cache stores).
+
+Above trial measurement and below the front-ends: the finder makes one, the cache stores and
+reads it back (checked field by field), the plot draws it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from autobatch._search import LinearModel, Trial
+from autobatch._units import format_bytes
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What :func:`search_batch_size` found, and how.
+
+    ``batch_size`` is the recommended size (the largest whose measured peak leaves ``headroom``
+    of the capacity free; ``max_batch_size`` when ``headroom`` is 0); ``max_batch_size`` the
+    exact largest size that fits (it passed a trial, the next size up failed or is the cap). ``trials`` lists
+    every trial in order; ``capacity_bytes`` the memory the search could use (the device's
+    total, less what other processes hold); ``memory_model`` is the fitted
+    ``peak(n) = fixed + per_sample * n``
+    when the device keeps statistics. ``optimizer_counted`` is False when no optimizer was given
+    (forward and backward only).
+    """
+
+    batch_size: int
+    max_batch_size: int
+    trials: tuple[Trial, ...]
+    memory_model: LinearModel | None
+    capacity_bytes: int
+    device: str
+    headroom: float
+    train: bool
+    optimizer_counted: bool
+    smallest_failing: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def oom_trials(self) -> int:
+        """How many trials failed."""
+        return sum(not t.fits for t in self.trials)
+
+    @property
+    def samples_processed(self) -> int:
+        """Rows run through the model over all trials (a measure of search cost)."""
+        return sum(t.size for t in self.trials)
+
+    def __repr__(self) -> str:
+        lines = [
+            f"SearchResult(batch_size={self.batch_size}, max_batch_size={self.max_batch_size}, "
+            f"device={self.device!r}, capacity={format_bytes(self.capacity_bytes)}, "
+            f"headroom={self.headroom:g}, trials={len(self.trials)}, oom_trials={self.oom_trials})"
+        ]
+        lines += [f"  {trial}" for trial in self.trials]
+        if self.memory_model is not None:
+            model = self.memory_model
+            lines.append(
+                f"  memory model: {format_bytes(model.fixed)} + {format_bytes(model.per_sample)}"
+                " per sample"
+            )
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+    def plot(self, path: str | None = None) -> Any:
+        """Peak memory against batch size: trials, fitted line, capacity and headroom.
+
+        Needs matplotlib (``pip install torch-autobatch[plot]``). Saves to ``path`` when given;
+        returns the matplotlib figure.
+        """
+        from autobatch._plot import plot_search
+
+        return plot_search(self, path)
+
+
+def result_to_dict(result: SearchResult) -> dict[str, Any]:
+    """A JSON-ready dict of a :class:`~autobatch.SearchResult` (see :func:`result_from_dict`)."""
+    model = result.memory_model
+    return {
+        "batch_size": result.batch_size,
+        "max_batch_size": result.max_batch_size,
+        "smallest_failing": result.smallest_failing,
+        "device": result.device,
+        "capacity_bytes": result.capacity_bytes,
+        "headroom": result.headroom,
+        "train": result.train,
+        "optimizer_counted": result.optimizer_counted,
+        "memory_model": None if model is None else {
+            "fixed": model.fixed, "per_sample": model.per_sample
+        },
+        "trials": [
+            {
+                "size": t.size,
+                "fits": t.fits,
+                "peak_bytes": t.peak_bytes,
+                "seconds": t.seconds,
+                "error": t.error,
+            }
+            for t in result.trials
+        ],
+        "notes": list(result.notes),
+    }
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """``data[name]``, which must be of ``kind`` (a bool is no int here)."""
+    if not isinstance(data, Mapping) or name not in data:
+        raise ValueError(f"no {name!r}")
+    value = data[name]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ValueError(f"{name!r} is {value!r}")
+    if not isinstance(value, kind):
+        raise ValueError(f"{name!r} is {type(value).__name__}, not {kind}")
+    return value
+
+
+def _count(data: Mapping[str, Any], name: str, *, minimum: int = 1) -> int:
+    value: int = _field(data, name, int)
+    if value < minimum:
+        raise ValueError(f"{name!r} is {value}, below {minimum}")
+    return value
+
+
+def _finite(data: Mapping[str, Any], name: str, *, low: float, high: float) -> float:
+    value = float(_field(data, name, (int, float)))
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name!r} is {value!r}, not in [{low}, {high}]")
+    return value
+
+
+def result_from_dict(data: Mapping[str, Any]) -> SearchResult:
+    """The :class:`~autobatch.SearchResult` that :func:`result_to_dict` wrote.
+
+    Every field is checked (types, ranges, and that the recommended size is at most the
+    largest, which a fitting trial ran): ``ValueError`` when ``data`` is not such a dict (a
+    damaged or edited cache entry), never a result built from one.
+    """
+    try:
+        trials = []
+        for trial in _field(data, "trials", list):
+            peak = _field(trial, "peak_bytes", (int, type(None)))
+            if peak is not None and peak < 0:
+                raise ValueError(f"a trial's peak is {peak}")
+            error = _field(trial, "error", (str, type(None)))
+            trials.append(
+                Trial(
+                    size=_count(trial, "size"),
+                    fits=_field(trial, "fits", bool),
+                    peak_bytes=peak,
+                    seconds=_finite(trial, "seconds", low=0.0, high=math.inf),
+                    error=error,
+                )
+            )
+        batch_size = _count(data, "batch_size")
+        largest = _count(data, "max_batch_size")
+        failing = _field(data, "smallest_failing", (int, type(None)))
+        if batch_size > largest:
+            raise ValueError(f"batch_size {batch_size} is above max_batch_size {largest}")
+        if not any(t.fits and t.size == largest for t in trials):
+            raise ValueError(f"no fitting trial ran max_batch_size {largest}")
+        if failing is not None and failing <= largest:
+            raise ValueError(f"smallest_failing {failing} is not above {largest}")
+        stored_model = _field(data, "memory_model", (dict, type(None)))
+        model = None
+        if stored_model is not None:
+            model = LinearModel(
+                fixed=_finite(stored_model, "fixed", low=-math.inf, high=math.inf),
+                per_sample=_finite(stored_model, "per_sample", low=0.0, high=math.inf),
+            )
+        notes = _field(data, "notes", list)
+        if not all(isinstance(note, str) for note in notes):
+            raise ValueError("a note is not a string")
+        return SearchResult(
+            batch_size=batch_size,
+            max_batch_size=largest,
+            trials=tuple(trials),
+            memory_model=model,
+            capacity_bytes=_count(data, "capacity_bytes"),
+            device=_field(data, "device", str),
+            headroom=_finite(data, "headroom", low=0.0, high=0.999999),
+            train=_field(data, "train", bool),
+            optimizer_counted=_field(data, "optimizer_counted", bool),
+            smallest_failing=failing,
+            notes=tuple(notes),
+        )
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as error:
+        raise ValueError(f"not a stored search result: {error}") from None

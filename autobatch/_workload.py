@@ -1,0 +1,344 @@
+"""The workload a search measures: the sample and its batches, the calling convention, the loss,
+the step and the optimizer it steps, and compiled models. The bottom of the sizing side: it
+measures nothing and decides no size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from autobatch import _batch
+from autobatch._backends import DeviceLike, resolve_device
+from autobatch._validate import is_sample_factory
+
+#: Fraction of the device's capacity the recommended batch leaves free at its peak by default.
+DEFAULT_HEADROOM = 0.05
+
+Batch = Any
+LossFn = Callable[..., torch.Tensor]
+StepFn = Callable[[nn.Module, Batch], Any]
+OptimizerLike = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
+Sample = Batch | Callable[[int], Batch]
+
+
+def call_model(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
+    """Run the forward pass the way a training loop would; returns ``(output, target)``.
+
+    A tensor batch is ``model(batch)``; a mapping is ``model(**batch)`` (Hugging Face style,
+    labels inside); a 2-tuple or 2-list is ``(inputs, target)`` and runs ``model(inputs)``.
+    """
+    if isinstance(batch, torch.Tensor):
+        return model(batch), None
+    if isinstance(batch, Mapping):
+        return model(**batch), None
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not hasattr(batch, "_fields"):
+        return model(batch[0]), batch[1]
+    raise TypeError(
+        f"cannot tell how to call the model on a batch of {_batch.describe(batch)}; a batch is a "
+        "tensor, a dict of model keyword arguments, or an (inputs, target) pair. Pass "
+        "step_fn=lambda model, batch: ... to run your own step"
+    )
+
+
+def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """The scalar to call ``backward`` on.
+
+    ``loss_fn(output, target)`` (or ``loss_fn(output)`` without a target) when given; else a
+    scalar output, an output's ``.loss`` or ``["loss"]`` (a model's own loss, e.g. a Hugging
+    Face model given ``labels``); else a stand-in that costs at least what a training loss
+    does: a cross-entropy over the last dimension of every floating-point output that needs a
+    gradient (for a language model's logits that is the loss it trains with; it keeps the
+    log-probabilities for backward, as a real classification loss does), the mean of those
+    with fewer than two dimensions. A plain mean would keep nothing, so a language model would
+    look cheaper than it is. When ``loss_fn`` cannot take what the model returned (an object
+    such as a ``ModelOutput``), the error says in one line what came back and what to pass.
+    """
+    if loss_fn is not None:
+        try:
+            return loss_fn(output) if target is None else loss_fn(output, target)
+        except (TypeError, AttributeError) as error:
+            if isinstance(output, torch.Tensor):
+                raise
+            problem = f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
+        raise TypeError(
+            f"the model returned {_batch.describe(output)}, not a tensor, and "
+            f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)} cannot take it "
+            f"({problem}); pass a loss_fn that reads the field it needs (e.g. "
+            "lambda output, target: cross_entropy(output.logits.flatten(0, -2), "
+            "target.flatten())), or no loss_fn and labels the model computes its own loss from"
+        )
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    parts = [
+        _stand_in(t)
+        for t in _batch.tensors(output)
+        if t.is_floating_point() or t.is_complex()
+        if t.requires_grad
+    ]
+    if not parts:
+        raise TypeError(
+            "the model's output has no tensor that needs a gradient, so there is nothing to "
+            "back-propagate; pass loss_fn=, step_fn=, or train=False for inference"
+        )
+    return torch.stack(parts).sum()
+
+
+def _stand_in(output: torch.Tensor) -> torch.Tensor:
+    """A loss over one output tensor that keeps as much for backward as a training loss does."""
+    if output.is_complex():
+        output = output.abs()
+    if output.dim() < 2:
+        return output.float().mean()
+    scores = output.flatten(0, -2).float()
+    targets = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+    return torch.nn.functional.cross_entropy(scores, targets)
+
+
+def language_model_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """A causal language model's loss: each position predicts the next token.
+
+    ``output`` is the logits ``(batch, length, vocabulary)`` or an object with ``.logits`` (a
+    Hugging Face ``ModelOutput``); ``tokens`` the input ids, which are the labels.
+
+    >>> logits, tokens = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    >>> float(language_model_loss(logits, tokens)) > 0
+    True
+    """
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):
+        logits = output.get("logits")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tokens.dim() != 2:
+        raise TypeError(
+            f"a language-model loss needs logits (batch, length, vocabulary) and tokens (batch, "
+            f"length); the model returned {_batch.describe(output)} for tokens "
+            f"{tuple(tokens.shape)}"
+        )
+    predicted = logits[:, :-1].flatten(0, 1).float()
+    return torch.nn.functional.cross_entropy(predicted, tokens[:, 1:].flatten())
+
+
+def make_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    train: bool = True,
+    scaler: Any = None,
+) -> Callable[[Batch], None]:
+    """The one step every front-end runs (finder, planner, throughput).
+
+    ``step_fn(model, batch)`` when given; otherwise zero_grad (``set_to_none``, as torch does by
+    default), forward, loss, backward and the optimizer step (through ``scaler`` when given), or
+    a forward under ``torch.inference_mode()`` when ``train`` is False.
+    """
+
+    def step(batch: Batch) -> None:
+        if step_fn is not None:
+            step_fn(model, batch)
+            return
+        if not train:
+            with torch.inference_mode():
+                call_model(model, batch)
+            return
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        output, target = call_model(model, batch)
+        loss = loss_of(output, target, loss_fn)
+        del output
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if optimizer is not None:
+                scaler.step(optimizer)
+                scaler.update()
+        else:
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+
+    return step
+
+
+def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Optimizer | None:
+    """An optimizer instance as is, or a class/factory called on the model's parameters (a
+    temporary optimizer that the caller throws away)."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        made = optimizer(model.parameters())
+        if not isinstance(made, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer={optimizer!r} returned {type(made).__name__}, not a torch.optim.Optimizer"
+            )
+        return made
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer, an optimizer class or factory, or None; "
+        f"got {type(optimizer).__name__}"
+    )
+
+
+def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (e.g. Adam's moments) without a forward pass, so that every
+    trial runs in the steady state of training, where that state is resident.
+
+    One step on all-zero gradients creates the state; the step's effect on the parameters is
+    undone later by the snapshot. Optimizers that need a closure (LBFGS) are left unprimed.
+    """
+    params = [
+        p for group in optimizer.param_groups for p in group["params"]
+        if p.requires_grad and p not in optimizer.state
+    ]
+    if not params:
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    except TypeError as error:  # LBFGS and friends: step(closure) is required
+        if "closure" not in str(error):
+            raise
+    finally:
+        for p in params:
+            p.grad = None
+
+
+def _compiled_class() -> type | None:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a submodule is compiled (``torch.compile(module)`` or
+    ``module.compile()``)."""
+    optimized = _compiled_class()
+    return any(
+        (optimized is not None and isinstance(module, optimized))
+        or getattr(module, "_compiled_call_impl", None) is not None
+        for module in model.modules()
+    )
+
+
+def without_compiled(model: nn.Module) -> tuple[nn.Module, Callable[[], None]]:
+    """``(eager, undo)``: ``model`` with every compiled part swapped for its eager original (the
+    root itself too, when compiled), and the function that puts them back. Parameters are
+    shared, not copied."""
+    optimized = _compiled_class()
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    cleared: list[tuple[nn.Module, Any]] = []
+
+    def undo() -> None:
+        for module, name, child in reversed(swapped):
+            module._modules[name] = child
+        for module, impl in reversed(cleared):
+            module._compiled_call_impl = impl
+
+    root: Any = model
+    while optimized is not None and isinstance(root, optimized):
+        root = cast(Any, root)._orig_mod
+    try:
+        for module in list(root.modules()):
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                cleared.append((module, module._compiled_call_impl))
+                module._compiled_call_impl = None
+            for name, child in list(module._modules.items()):
+                original: Any = child
+                while optimized is not None and isinstance(original, optimized):
+                    original = cast(Any, original)._orig_mod
+                if original is not child and child is not None:
+                    swapped.append((module, name, child))
+                    module._modules[name] = original
+                    for inner in original.modules():
+                        if getattr(inner, "_compiled_call_impl", None) is not None:
+                            cleared.append((inner, inner._compiled_call_impl))
+                            inner._compiled_call_impl = None
+    except BaseException:
+        undo()
+        raise
+    return root, undo
+
+
+@contextlib.contextmanager
+def eager_view(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with every compiled part swapped for its eager original, put back after.
+
+    Compiled code cannot run under a ``TorchDispatchMode`` (a simulated GPU's accounting,
+    per-operator recording, the planner's counting): torch's compiler then not only runs it
+    eagerly, it marks the code to be skipped for good, so the user's compiled model would stay
+    eager for the rest of the process. Trials under such a mode run this eager view instead;
+    the compiled modules themselves never see the mode.
+    """
+    eager, undo = without_compiled(model)
+    try:
+        yield eager
+    finally:
+        undo()
+
+
+def mark_batch_dynamic(batch: Batch) -> Batch:
+    """Mark dimension 0 of every tensor of ``batch`` dynamic for ``torch.compile``, so a compiled
+    model is not compiled again for each trial's size (sizes 0 and 1 stay specialised)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    mark = getattr(dynamo, "maybe_mark_dynamic", None)
+    if mark is None:
+        return batch
+    for tensor in _batch.tensors(batch):
+        if tensor.dim() >= 1 and tensor.shape[0] >= 2:
+            mark(tensor, 0)
+    return batch
+
+
+def model_device(model: nn.Module, device: DeviceLike) -> torch.device:
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "the model is on the meta device: it has no real weights, so no real step can run. "
+            "Materialise it on the target device first (model.to_empty(device=...) and "
+            "initialise), or use autobatch.plan_max_batch to predict without running"
+        )
+    if device is not None:
+        wanted = resolve_device(device)
+        if devices and wanted not in {resolve_device(d) for d in devices}:
+            raise ValueError(
+                f"device={device!r} but the model is on {sorted(map(str, devices))}; move the "
+                "model to the device to search on (the search never moves your model)"
+            )
+        return wanted
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model spans devices {sorted(map(str, devices))}; pass device= to say whose "
+            "memory to search on"
+        )
+    return resolve_device(devices.pop()) if devices else resolve_device(None)
+
+
+def batch_factory(sample: Sample, device: torch.device) -> Callable[[int], Batch]:
+    if is_sample_factory(sample):
+        def from_callable(n: int) -> Batch:
+            batch = sample(n)
+            got = _batch.batch_size(batch)
+            if got != n:
+                raise ValueError(f"sample({n}) returned a batch of {got} rows, expected {n}")
+            return _batch.move_batch(batch, device)
+
+        return from_callable
+    rows = _batch.batch_size(sample)  # validates shapes, names them when inconsistent
+    if rows < 1:
+        raise ValueError("sample has no rows; give at least one example along dimension 0")
+
+    def from_rows(n: int) -> Batch:
+        return _batch.move_batch(_batch.resize_batch(sample, n), device)
+
+    return from_rows
