@@ -34,6 +34,15 @@ SMALL = "400KiB"  # a batch of 64 rows does not fit; a quarter of it does
 LARGE = "1GiB"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Tiny models: one intra-op thread is faster than several fighting over the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_lightning() -> Any:
     names = ("lightning", "lightning.pytorch", "lightning.fabric")
@@ -231,6 +240,8 @@ class _Probe(pl.Callback):
             "global_step": trainer.global_step,
             "loop": copy.deepcopy(trainer.fit_loop.state_dict()),
             "training": pl_module.training,
+            "scaler": (trainer.precision_plugin.scaler.get_scale()
+                       if getattr(trainer.precision_plugin, "scaler", None) else None),
         }
 
 
@@ -250,6 +261,30 @@ def test_find_leaves_weights_optimizer_rng_and_counters_as_they_were(tmp_path: A
     assert torch.equal(a["torch_rng"], b["torch_rng"])
     assert a["python_rng"] == b["python_rng"]
     assert (a["global_step"], a["loop"], a["training"]) == (b["global_step"], b["loop"], b["training"])
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_find_runs_the_step_in_the_precision_plugins_context(tmp_path: Any, precision: str) -> None:
+    module = _Net(dtype=torch.float32)
+    autocast: list[bool] = []
+    module.net[0].register_forward_hook(
+        lambda m, a, out: autocast.append(torch.is_autocast_enabled("cpu")))
+    ours, probe = AutobatchCallback(guard=False), _Probe()
+    options: dict[str, Any] = (
+        {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed"
+        else {"precision": precision}
+    )
+    trainer, _ = _trainer(tmp_path, [ours, probe], limit_train_batches=1, **options)
+    scaler = trainer.precision_plugin.scaler
+    scale = None if scaler is None else scaler.get_scale()
+    with SimulatedGPU("130KiB") as gpu:
+        gpu.adopt(module)
+        trainer.fit(module)
+    assert ours.result is not None
+    assert len(autocast) == len(ours.result.trials) + 1  # every trial, then the batch
+    assert set(autocast) == {True}
+    if scaler is not None:  # the trials' GradScaler steps were undone: one step of its own
+        assert probe.state["scaler"] == scale
 
 
 def test_find_then_training_is_the_run_with_that_size_set_by_hand(tmp_path: Any) -> None:
