@@ -169,6 +169,21 @@ def test_find_runs_the_step_in_the_accelerators_mixed_precision(tmp_path: Any) -
     assert "forward" not in vars(model) or hasattr(model, "_original_forward")
 
 
+def test_find_checkpoints_activations_as_training_will(tmp_path: Any) -> None:
+    sizes = {}
+    for checkpointing in (False, True):
+        model = _gpt2(torch.float32)
+        trainer = _trainer(model, tmp_path, batch=8, activation_checkpointing=checkpointing)
+        with SimulatedGPU("3MiB") as gpu:
+            gpu.adopt(model)
+            autobatch_trainer(trainer, guard=False)
+            assert not model.is_activation_checkpointing  # train() turns it on, not autobatch
+            sizes[checkpointing] = trainer.args.per_device_train_batch_size
+            trainer.train()  # and the size found fits with it on
+        assert model.is_activation_checkpointing == checkpointing
+    assert sizes[True] > sizes[False]
+
+
 # The guard ----------------------------------------------------------------------------------
 
 

@@ -8,8 +8,8 @@ survive OOM.
 :func:`autobatch_trainer` prepares a ``Trainer`` (and returns it):
 
 - ``find``: :func:`autobatch.search_batch_size` runs the trainer's own ``training_step`` (its
-  ``compute_loss``, the accelerator's mixed precision and GradScaler, gradient checkpointing as
-  the model has it), clipping and its optimizer (created with ``create_optimizer()`` when the
+  ``compute_loss``, the accelerator's mixed precision and GradScaler, activation (gradient)
+  checkpointing where ``args`` turn it on), clipping and its optimizer (created with ``create_optimizer()`` when the
   trainer has none yet, and dropped again, so that ``train()`` creates it as before), on the
   first rows of the training dataset collated by the trainer's data collator; the recommended
   size is set as ``args.per_device_train_batch_size``. Weights, optimizer state, gradients and
@@ -222,6 +222,28 @@ def _mixed_precision(trainer: Any, model: nn.Module) -> Iterator[None]:
         patch.undo()
 
 
+@contextlib.contextmanager
+def _checkpointing(trainer: Any, model: nn.Module) -> Iterator[None]:
+    """Activation checkpointing on, as ``train()`` turns it on where ``args`` ask for it (and off
+    again afterwards, unless it was on already)."""
+    args = trainer.args
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if not getattr(args, "activation_checkpointing", False) or enable is None or getattr(
+        model, "is_activation_checkpointing", False
+    ):
+        yield
+        return
+    options = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
+    every_n_layers = options.pop("every_n_layers", 1)
+    offload = options.pop("offload", False)
+    enable(activation_checkpointing_kwargs=options or None, every_n_layers=every_n_layers,
+           offload=offload)
+    try:
+        yield
+    finally:
+        model.activation_checkpointing_disable()  # type: ignore[operator]
+
+
 def _trial_step(
     trainer: Any, original: Callable[..., Any], optimizer: torch.optim.Optimizer
 ) -> Callable[[nn.Module, Any], None]:
@@ -268,7 +290,7 @@ def _find(
                 sample, length = _sample(trainer)
             if length is not None:
                 options = {"max_batch": max(length, min_batch), **options}
-            with _mixed_precision(trainer, model):
+            with _mixed_precision(trainer, model), _checkpointing(trainer, model):
                 return search_batch_size(
                     model,
                     sample,
