@@ -21,6 +21,7 @@ pl = pytest.importorskip("lightning.pytorch")  # in the test extra: installed wi
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
 
 import autobatch  # noqa: E402
 from autobatch import AutobatchError, retry_on_oom  # noqa: E402
@@ -76,6 +77,7 @@ class _Net(pl.LightningModule):
         dicts: bool = False,
         shuffle: bool = False,
         dtype: torch.dtype = torch.float64,
+        metric: bool = False,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -91,16 +93,25 @@ class _Net(pl.LightningModule):
         self.dicts = dicts
         self.shuffle = shuffle
         self.sizes: list[int] = []  # rows of each training batch (trials excluded)
+        self.accuracy = MulticlassAccuracy(num_classes=CLASSES) if metric else None
+        self.counted: list[int] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = (batch["x"], batch["y"]) if self.dicts else batch
         logits = self.net(x.to(self.net[0].weight.dtype))
         loss = F.cross_entropy(logits, y)
         self.log("train_loss", loss)
+        if self.accuracy is not None:  # updated before backward, where the OOM comes
+            self.accuracy(logits, y)
+            self.log("train_accuracy", self.accuracy, on_step=False, on_epoch=True)
         if self.dicts:
             self.log("rows", float(len(x)), reduce_fx="sum")
             return {"loss": loss, "preds": logits.argmax(dim=1)}
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.accuracy is not None:  # rows the metric counted (before Lightning resets it)
+            self.counted.append(int((self.accuracy.tp + self.accuracy.fn).sum()))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.sizes.append(len(batch["x"] if self.dicts else batch[0]))
@@ -306,6 +317,7 @@ CASES = {
     "plain": ({}, {}),
     "clipping, accumulate 2": ({}, {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}),
     "dict batches and outputs": ({"dicts": True}, {}),
+    "a torchmetrics metric": ({"metric": True}, {}),
     "adam, clip by value": ({"optimizer": "adam"}, {"gradient_clip_val": 0.01,
                                                     "gradient_clip_algorithm": "value"}),
 }
@@ -330,6 +342,9 @@ def test_guard_recovers_and_ends_as_an_uninterrupted_run(tmp_path: Any, case: st
                                rtol=1e-9, atol=0)
     if module_options.get("dicts"):
         assert memory.series("rows") == ref_memory.series("rows") == [64.0] * 3
+    if module_options.get("metric"):  # failed attempts' updates undone: every row once
+        assert module.counted == [ROWS]  # every row once
+        assert memory.series("train_accuracy") == ref_memory.series("train_accuracy")
     assert memory.series("autobatch/ooms")[-1] == ours.stats.ooms
     assert "training_step" not in vars(module)  # the guard is gone after fit
 
