@@ -521,6 +521,7 @@ class _Guard:
             reduction="sum" if self.reduction == "sum" else "mean",
             items=self.items if self.reduction == "mean" else None,
             min_batch=callback.min_batch,
+            device=module.device,
         )(self._piece)
 
         @functools.wraps(self.original)  # Lightning reads the signature (is batch_idx taken?)

@@ -356,6 +356,7 @@ class GuardedTrainingStep:
                 items=_item_counter(trainer) if reduction == "mean" else None,
                 batch_arg="inputs",
                 min_batch=self.min_batch,
+                device=trainer.args.device,
             )(training_step)
             self._steps[reduction] = step
         return step
