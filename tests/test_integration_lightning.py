@@ -4,6 +4,7 @@ simulated GPU: the size it finds, the state it leaves, and training that recover
 from __future__ import annotations
 
 import copy
+import doctest
 import logging
 import math
 import random
@@ -466,3 +467,11 @@ def test_importing_autobatch_imports_no_framework() -> None:
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_module_examples_run() -> None:
+    import autobatch.integrations.lightning as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0
+    assert result.failed == 0

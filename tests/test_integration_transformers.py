@@ -4,6 +4,7 @@ recover from OOM exactly (also with gradient accumulation and a loss averaged pe
 
 from __future__ import annotations
 
+import doctest
 import math
 import random
 import warnings
@@ -340,3 +341,11 @@ def test_preparing_twice_guards_the_trainers_own_step_once(tmp_path: Any) -> Non
     autobatch_trainer(trainer, find=False)
     assert trainer.training_step.original is first.original
     assert type(trainer).training_step is Trainer.training_step
+
+
+def test_module_examples_run() -> None:
+    import autobatch.integrations.transformers as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0
+    assert result.failed == 0

@@ -1,8 +1,10 @@
 """Lightning: the batch size found before training, and training batches that survive OOM.
 
->>> import lightning.pytorch as pl                              # doctest: +SKIP
+>>> import lightning.pytorch as pl
 >>> from autobatch.integrations.lightning import AutobatchCallback
->>> trainer = pl.Trainer(callbacks=[AutobatchCallback()])      # doctest: +SKIP
+>>> trainer = pl.Trainer(callbacks=[AutobatchCallback()], logger=False)  # doctest: +SKIP
+>>> AutobatchCallback(headroom=0.1)
+AutobatchCallback(find=True, guard=True, batch_arg='batch_size', headroom=0.1)
 
 :class:`AutobatchCallback` does two things (each can be turned off):
 

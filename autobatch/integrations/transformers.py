@@ -1,9 +1,11 @@
 """Hugging Face ``Trainer``: the batch size found before training, and training steps that
 survive OOM.
 
->>> from autobatch.integrations.transformers import autobatch_trainer
+>>> from autobatch.integrations.transformers import autobatch_trainer, recovery_stats
 >>> trainer = autobatch_trainer(Trainer(model=model, args=args, train_dataset=data))  # doctest: +SKIP
 >>> trainer.train()                                                              # doctest: +SKIP
+>>> recovery_stats(object()).ooms  # a trainer without a guard: nothing recovered
+0
 
 :func:`autobatch_trainer` prepares a ``Trainer`` (and returns it):
 
@@ -133,7 +135,7 @@ def search_result(trainer: Any) -> SearchResult | None:
 
 def recovery_stats(trainer: Any) -> RecoveryStats:
     """What the guard of ``trainer`` did (empty statistics without one)."""
-    step = trainer.training_step
+    step = getattr(trainer, "training_step", None)
     return step.stats if isinstance(step, GuardedTrainingStep) else RecoveryStats()
 
 
