@@ -29,7 +29,8 @@ from autobatch.testing import OOM_KINDS, SimulatedGPU  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-ROWS, SEQ, VOCAB = 96, 16, 64
+ROWS, SEQ, VOCAB = 192, 16, 64  # a few hundred examples: six optimizer steps of 32
+STEPS = ROWS // 32
 LARGE = "1GiB"
 SMALL = "4MiB"  # a batch of 32 does not fit in float64; about a dozen rows do
 
@@ -204,7 +205,7 @@ def test_guard_recovers_to_the_parameters_of_an_uninterrupted_run(
     assert stats.ooms >= 1
     assert stats.micro_batch_size is not None
     assert stats.micro_batch_size < batch
-    assert trainer.state.global_step == reference.state.global_step == 3
+    assert trainer.state.global_step == reference.state.global_step == STEPS
     _close(trainer.model, reference.model)
     assert _train_loss(trainer) == pytest.approx(_train_loss(reference), rel=1e-6)
 
@@ -237,7 +238,7 @@ def test_guard_weights_a_loss_averaged_per_batch_by_its_tokens(
     assert not trainer.model_accepts_loss_kwargs
     _train(trainer, "400KiB", lambda t: autobatch_trainer(t, find=False))
     assert recovery_stats(trainer).ooms >= 1
-    assert trainer.state.global_step == reference.state.global_step == 3
+    assert trainer.state.global_step == reference.state.global_step == STEPS
     _close(trainer.model, reference.model)
     assert _train_loss(trainer) == pytest.approx(_train_loss(reference), rel=1e-9)
 
@@ -263,7 +264,7 @@ def test_guard_under_bf16_mixed_precision(tmp_path: Any) -> None:
     trainer = _train(_trainer(_gpt2(torch.float32), tmp_path, bf16=True), "1500KiB",
                      lambda t: autobatch_trainer(t, find=False))
     assert recovery_stats(trainer).ooms >= 1
-    assert trainer.state.global_step == reference.state.global_step == 3
+    assert trainer.state.global_step == reference.state.global_step == STEPS
     _close(trainer.model, reference.model, rtol=1e-2, atol=1e-3)
 
 
