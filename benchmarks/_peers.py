@@ -1,7 +1,8 @@
 """Other libraries' batch-size finders, each run on the benchmark's training step.
 
 Every adapter takes a :class:`Harness` (the model, its optimizer, ``batch(n)`` and ``step(n)``)
-and returns the batch size the library settles on, or ``None`` when it gives up. The peers are
+and returns the batch size the library settles on, or ``None`` when it gives up (or that size
+and a note, ``(size, note)``). The peers are
 imported lazily: install them with ``pip install -e ".[bench]"`` (torch stays as installed).
 Nothing here decides whether a size fits: that is the simulated GPU's out-of-memory error,
 which every peer recognises by its message.
@@ -47,7 +48,7 @@ class Peer:
     label: str
     distribution: str  # the pip name, for the version and the "not installed" reason
     module: str  # what it imports
-    run: Callable[[Harness], int | None]
+    run: Callable[[Harness], int | tuple[int | None, str] | None]
     note: str = ""
 
     def missing(self) -> str | None:
@@ -155,6 +156,89 @@ def _toma(start: int) -> Callable[[Harness], int | None]:
     return run
 
 
+# Hugging Face Trainer: auto_find_batch_size ---------------------------------------------------
+
+#: The ``Trainer``'s default ``per_device_train_batch_size``: where ``auto_find_batch_size``
+#: starts unless told otherwise.
+TRAINER_DEFAULT = 8
+
+#: Optimizer steps each training attempt runs (the benchmark's B* is the largest batch whose
+#: two steps fit).
+TRAINER_STEPS = 2
+
+
+class _TrainerStep(nn.Module):
+    """The benchmark's model and loss as a model the ``Trainer`` trains: forward returns the
+    loss; the ``Trainer`` runs backward and the optimizer step."""
+
+    def __init__(self, harness: Harness) -> None:
+        super().__init__()
+        self.model = harness.model
+        self.harness = harness
+
+    def forward(self, inputs: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.harness.loss_fn(self.model(inputs), target)}
+
+
+def _trainer(start: int) -> Callable[[Harness], tuple[int | None, str]]:
+    def run(harness: Harness) -> tuple[int | None, str]:
+        import transformers
+        from torch.utils.data import DataLoader, IterableDataset
+        from transformers import Trainer, TrainingArguments
+
+        class Rows(IterableDataset[int]):
+            """Endless row indices, without a sampler (a random one would allocate its
+            permutation on the simulated device)."""
+
+            def __iter__(self) -> Any:
+                index = 0
+                while True:
+                    yield index
+                    index += 1
+
+        def collate(rows: list[int]) -> dict[str, torch.Tensor]:
+            inputs, target = harness.batch(len(rows))  # built as every tool's batch is
+            return {"inputs": inputs, "target": target}
+
+        class OneBatchAtATime(Trainer):  # type: ignore[misc]
+            """Its own dataloader, not wrapped by Accelerate (which fetches one batch ahead,
+            so a step would hold two batches and the next would be built before the step
+            finished): each step holds its batch, as the other tools' loops do."""
+
+            def get_train_dataloader(self) -> DataLoader[Any]:
+                return DataLoader(self.train_dataset, batch_size=self._train_batch_size,
+                                  collate_fn=collate)
+
+        transformers.logging.set_verbosity_error()
+        with tempfile.TemporaryDirectory() as root:
+            args = TrainingArguments(
+                output_dir=root, auto_find_batch_size=True, per_device_train_batch_size=start,
+                max_steps=TRAINER_STEPS, learning_rate=harness.optimizer.param_groups[0]["lr"],
+                max_grad_norm=0.0, report_to=[], save_strategy="no", logging_strategy="no",
+                disable_tqdm=True, use_cpu=True, remove_unused_columns=False,
+            )
+            constant = torch.optim.lr_scheduler.LambdaLR(harness.optimizer, lambda step: 1.0)
+            trainer = OneBatchAtATime(
+                model=_TrainerStep(harness), args=args, train_dataset=Rows(),
+                optimizers=(harness.optimizer, constant),
+            )
+            attempts = 0
+            inner = trainer._inner_training_loop
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return inner(*args, **kwargs)
+
+            # the loop Trainer.train wraps in find_executable_batch_size: one call per attempt
+            trainer._inner_training_loop = counted
+            trainer.train()
+        found = int(trainer._train_batch_size)
+        return found, f"training started {attempts} times ({attempts - 1} restarts after OOM)"
+
+    return run
+
+
 # batch-finder -----------------------------------------------------------------------------
 
 
@@ -207,6 +291,17 @@ PEERS: tuple[Peer, ...] = (
     Peer("toma start=128", "toma", "toma", _toma(128),
          "toma.simple.batch: halves per OOM, never grows"),
     Peer(f"toma start={LARGE_START}", "toma", "toma", _toma(LARGE_START)),
+    Peer(
+        f"HF Trainer auto_find start={TRAINER_DEFAULT}", "transformers", "transformers",
+        _trainer(TRAINER_DEFAULT),
+        "Trainer(args=TrainingArguments(auto_find_batch_size=True)).train(): the training "
+        "loop restarts at 0.9x the size after each OOM and never grows; it starts at "
+        f"per_device_train_batch_size (default {TRAINER_DEFAULT}); {TRAINER_STEPS} steps per "
+        "attempt, the benchmark's model and optimizer, no clipping",
+    ),
+    Peer("HF Trainer auto_find start=128", "transformers", "transformers", _trainer(128)),
+    Peer(f"HF Trainer auto_find start={LARGE_START}", "transformers", "transformers",
+         _trainer(LARGE_START)),
     Peer(
         "batch-finder", "batch-finder", "batch_finder", _batch_finder,
         "find_max_minibatch with initial_value=512 (its CUDA default), memory_guided=False "

@@ -14,7 +14,8 @@ optimizer (Adam, warmed up so its state is resident):
 - ours: ``search_batch_size(..., headroom=0)`` under the simulated GPU (memory statistics);
 - ours without statistics: the same on the plain CPU, where CUDA's OOM error is raised
   whenever the model gets more than B* rows, so the engine doubles and bisects;
-- the peers in ``_peers.py`` (Lightning, Accelerate, toma, batch-finder), when installed.
+- the peers in ``_peers.py`` (Lightning, Accelerate, the Hugging Face ``Trainer``'s
+  ``auto_find_batch_size``, toma, batch-finder), when installed.
 
 Every batch any tool runs is built by one function, which records its size; a step counts as
 done when the optimizer's step returns. Consecutive steps at one size are one trial. Model
@@ -426,7 +427,8 @@ def ours(runner: Runner) -> tuple[int | None, str]:
 def peer_search(peer: Peer) -> Callable[[Runner], tuple[int | None, str]]:
     def search(runner: Runner) -> tuple[int | None, str]:
         with quiet():
-            return peer.run(runner), ""
+            found = peer.run(runner)
+        return found if isinstance(found, tuple) else (found, "")
 
     return search
 
@@ -550,7 +552,8 @@ def header(peers: list[Peer], missing: list[str]) -> str:
         "`SimulatedGPU(capacity)`; B* is the largest "
         "batch whose two real training steps fit in that capacity, checked at B* and B*+1. "
         "Trials are the sizes a tool ran (consecutive steps at one size are one trial); samples "
-        "are all rows it ran (Lightning runs 3 steps per trial); \"state unchanged\" compares "
+        "are all rows it ran (Lightning runs 3 steps per trial, the Trainer 2 per training "
+        "attempt); \"state unchanged\" compares "
         "parameters, buffers, gradients and the optimizer's state_dict bit for bit. "
         "\"ours, no statistics\" is the same search on the plain CPU, with CUDA's OOM error "
         f"raised when the model gets more than B* rows. Versions: {versions}.",

@@ -1,0 +1,412 @@
+"""Hugging Face ``Trainer``: the batch size found before training, and training steps that
+survive OOM.
+
+>>> from autobatch.integrations.transformers import autobatch_trainer, recovery_stats
+>>> trainer = autobatch_trainer(Trainer(model=model, args=args, train_dataset=data))  # doctest: +SKIP
+>>> trainer.train()                                                              # doctest: +SKIP
+>>> recovery_stats(object()).ooms  # a trainer without a guard: nothing recovered
+0
+
+:func:`autobatch_trainer` prepares a ``Trainer`` (and returns it):
+
+- ``find``: :func:`autobatch.search_batch_size` runs the trainer's own ``training_step`` (its
+  ``compute_loss``, the accelerator's mixed precision and GradScaler, activation (gradient)
+  checkpointing where ``args`` turn it on), clipping and its optimizer (created with ``create_optimizer()`` when the
+  trainer has none yet, and dropped again, so that ``train()`` creates it as before), on the
+  first rows of the training dataset collated by the trainer's data collator; the recommended
+  size is set as ``args.per_device_train_batch_size``. Weights, optimizer state, gradients and
+  random streams are left as they were. ``search_result(trainer)`` returns the record.
+- ``guard``: ``trainer.training_step`` (which computes the loss and its gradients; the
+  ``Trainer`` clips and steps outside it, after ``gradient_accumulation_steps`` calls) is
+  replaced by one that recovers from OOM through :func:`autobatch.retry_on_oom` (a function that
+  only computes gradients: ``policy="accumulate"`` with ``model=``): on an OOM the batch runs in
+  micro-batches whose gradients add up to the batch's. Where the ``Trainer`` normalises the loss
+  by the number of items (tokens) in the whole accumulation window (``num_items_in_batch``,
+  passed to every micro-batch), the micro-batches' losses and gradients simply add; where the
+  loss is a mean per batch, each micro-batch is weighted by its share of the batch's labels
+  (``labels != -100``, shifted by one for causal language models, or ``shift_labels``; rows
+  when the batch has no labels). ``recovery_stats(trainer)`` says what happened.
+
+Refused with an :class:`~autobatch.AutobatchError`: several processes or devices (DDP,
+DataParallel, FSDP, DeepSpeed, SageMaker model parallelism, context or sequence parallelism),
+and optimizers that step inside backward (LOMO, AdaLomo, the layer-wise GaLore variants).
+With ``gradient_accumulation_steps > 1``, an OOM in the backward of a batch that runs whole
+after earlier batches of the window added their gradients is refused by the engine (their sum
+cannot be taken apart); once memory has run short the batches run in micro-batches that keep
+the window's gradients aside, which is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
+from autobatch._recovery import RetryingStep
+from autobatch.integrations._common import (
+    Patch,
+    dataset_length,
+    first_rows,
+    preserved_rng,
+    rows_of,
+)
+
+__all__ = ["autobatch_trainer", "recovery_stats", "search_result"]
+
+logger = logging.getLogger("autobatch.integrations.transformers")
+
+_RESULTS: weakref.WeakKeyDictionary[Any, SearchResult] = weakref.WeakKeyDictionary()
+
+#: Optimizers that update parameters inside backward (or per layer as gradients arrive): a
+#: micro-batch would apply its update alone.
+_STEPS_IN_BACKWARD = ("lomo", "adalomo", "layerwise")
+
+_IGNORE_INDEX = -100
+
+
+def autobatch_trainer(
+    trainer: Any,
+    *,
+    find: bool = True,
+    guard: bool = True,
+    headroom: float = 0.05,
+    sample: Any = None,
+    min_batch: int = 1,
+    **search_options: Any,
+) -> Any:
+    """Prepare a Hugging Face ``Trainer``: find its batch size, and make its training steps
+    recover from OOM; returns the same trainer.
+
+    See the module documentation for what each part does and what is refused.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass), before ``train()``.
+        find: search the per-device training batch size with the trainer's own step and set
+            ``args.per_device_train_batch_size`` to the recommended size.
+        guard: recover from out-of-memory errors inside ``training_step``.
+        headroom: the fraction of the device's memory the size found leaves free at its
+            measured peak (0: the largest size that fits).
+        sample: a batch (or a function ``n -> batch``) to search with; default the first rows of
+            ``train_dataset`` collated by the trainer's collator. Pass the worst case where
+            batches differ (the longest sequences).
+        min_batch: the smallest micro-batch the guard may run (and the smallest size searched).
+        **search_options: passed to :func:`autobatch.search_batch_size` (``max_batch``,
+            ``multiple_of``, ``steps_per_trial``, ``plan``, ``cache``, ...); ``max_batch``
+            defaults to the length of the training dataset.
+    """
+    for name, value in (("find", find), ("guard", guard)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    for reserved in ("step_fn", "loss_fn", "train", "scaler", "headroom", "min_batch"):
+        if reserved in search_options:
+            raise TypeError(
+                f"autobatch_trainer sets {reserved}= itself (the trainer's own step); remove it"
+            )
+    if not (callable(getattr(trainer, "training_step", None)) and hasattr(trainer, "args")):
+        raise TypeError(f"autobatch_trainer takes a transformers.Trainer, got {trainer!r}")
+    _check_supported(trainer)
+    original = trainer.training_step
+    if isinstance(original, GuardedTrainingStep):
+        original = original.original  # prepared twice: search and guard the trainer's own step
+    if find:
+        result = _find(trainer, original, headroom, sample, min_batch, search_options)
+        _RESULTS[trainer] = result
+        trainer.args.per_device_train_batch_size = result.batch_size
+        trainer._train_batch_size = trainer.args.train_batch_size  # what train() builds with
+        logger.info(
+            "per_device_train_batch_size set to %d (largest that fits: %d, %d trials)",
+            result.batch_size, result.max_batch_size, len(result.trials),
+        )
+    if guard:
+        Patch(trainer, "training_step", GuardedTrainingStep(trainer, original, min_batch))
+    return trainer
+
+
+def search_result(trainer: Any) -> SearchResult | None:
+    """The record of the search ``autobatch_trainer(trainer, find=True)`` ran, else ``None``."""
+    return _RESULTS.get(trainer)
+
+
+def recovery_stats(trainer: Any) -> RecoveryStats:
+    """What the guard of ``trainer`` did (empty statistics without one)."""
+    step = getattr(trainer, "training_step", None)
+    return step.stats if isinstance(step, GuardedTrainingStep) else RecoveryStats()
+
+
+def _check_supported(trainer: Any) -> None:
+    args = trainer.args
+    reasons = []
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        reasons.append("DeepSpeed")
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        reasons.append("FSDP")
+    if getattr(args, "world_size", 1) > 1:
+        reasons.append(f"{args.world_size} processes")
+    if getattr(args, "n_gpu", 1) > 1:
+        reasons.append(f"DataParallel over {args.n_gpu} GPUs")
+    if getattr(trainer, "is_model_parallel", False):
+        reasons.append("a model spread over several devices")
+    parallel = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    if parallel is not None and any(
+        getattr(parallel, flag, False) for flag in ("cp_enabled", "sp_enabled", "tp_enabled")
+    ):
+        reasons.append("context, sequence or tensor parallelism")
+    if reasons:
+        raise AutobatchError(
+            f"autobatch_trainer supports one process on one device; this trainer uses "
+            f"{', '.join(reasons)}, whose collectives a rank that splits its batch (or "
+            "searches alone) would not join. Use autobatch.retry_on_oom on your own step "
+            "under torchrun (README, 'Multiple GPUs'), or train on one device"
+        )
+    optim = str(getattr(args.optim, "value", args.optim)).lower()
+    if any(name in optim for name in _STEPS_IN_BACKWARD):
+        raise AutobatchError(
+            f"optim={args.optim!r} updates the parameters inside backward, so a micro-batch "
+            "would apply its own update: autobatch_trainer cannot split its batches or search "
+            "with it. Use another optimizer"
+        )
+
+
+# Finding ------------------------------------------------------------------------------------
+
+
+def _sample(trainer: Any) -> tuple[Any, int | None]:
+    """The first rows of the training dataset, collated as the trainer's dataloader does
+    (unused columns removed), and the dataset's length."""
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise AutobatchError(
+            "autobatch_trainer(find=True) needs trainer.train_dataset to take a sample from; "
+            "pass sample= (a batch), or find=False"
+        )
+    collate = trainer.data_collator
+    if hasattr(dataset, "column_names") and hasattr(trainer, "_remove_unused_columns"):
+        dataset = trainer._remove_unused_columns(dataset, description="training")
+    elif hasattr(trainer, "_get_collator_with_removed_columns"):
+        collate = trainer._get_collator_with_removed_columns(collate, description="training")
+    rows = trainer.args.per_device_train_batch_size
+    return first_rows(dataset, collate, rows), dataset_length(dataset)
+
+
+def _raw(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer (Accelerate wraps it once ``train()`` ran)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+@contextlib.contextmanager
+def _mixed_precision(trainer: Any, model: nn.Module) -> Iterator[None]:
+    """The model's forward under the accelerator's autocast, outputs in float32, as
+    ``accelerator.prepare`` makes it for training (nothing to do once prepared, or without
+    mixed precision)."""
+    accelerator = trainer.accelerator
+    if not getattr(accelerator, "native_amp", False) or hasattr(model, "_original_forward"):
+        yield
+        return
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = model.forward
+
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    patch = Patch(model, "forward", convert_outputs_to_fp32(autocast_forward))
+    try:
+        yield
+    finally:
+        patch.undo()
+
+
+@contextlib.contextmanager
+def _checkpointing(trainer: Any, model: nn.Module) -> Iterator[None]:
+    """Activation checkpointing on, as ``train()`` turns it on where ``args`` ask for it (and off
+    again afterwards, unless it was on already)."""
+    args = trainer.args
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if not getattr(args, "activation_checkpointing", False) or enable is None or getattr(
+        model, "is_activation_checkpointing", False
+    ):
+        yield
+        return
+    options = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
+    every_n_layers = options.pop("every_n_layers", 1)
+    offload = options.pop("offload", False)
+    enable(activation_checkpointing_kwargs=options or None, every_n_layers=every_n_layers,
+           offload=offload)
+    try:
+        yield
+    finally:
+        model.activation_checkpointing_disable()  # type: ignore[operator]
+
+
+def _trial_step(
+    trainer: Any, original: Callable[..., Any], optimizer: torch.optim.Optimizer
+) -> Callable[[nn.Module, Any], None]:
+    """One optimizer step as ``Trainer`` takes it: zero_grad, its ``training_step`` (loss
+    normalised by the batch's items where it does so), unscale and clip, step."""
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    norm = trainer.args.max_grad_norm
+
+    def step(model: nn.Module, batch: Any) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        items = trainer._get_num_items_in_batch([batch], trainer.args.device)
+        original(model, batch, items)
+        if norm is not None and norm > 0:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+
+    return step
+
+
+def _find(
+    trainer: Any,
+    original: Callable[..., Any],
+    headroom: float,
+    sample: Any,
+    min_batch: int,
+    options: dict[str, Any],
+) -> SearchResult:
+    model = trainer.model
+    created = trainer.optimizer is None
+    accumulation = Patch(trainer, "current_gradient_accumulation_steps", 1)  # one batch a step
+    try:
+        with preserved_rng():
+            if created:
+                trainer.create_optimizer()
+            optimizer = _raw(trainer.optimizer)
+            length = None
+            if sample is None:
+                sample, length = _sample(trainer)
+            if length is not None:
+                options = {"max_batch": max(length, min_batch), **options}
+            with _mixed_precision(trainer, model), _checkpointing(trainer, model):
+                return search_batch_size(
+                    model,
+                    sample,
+                    optimizer,
+                    step_fn=_trial_step(trainer, original, optimizer),
+                    scaler=getattr(trainer.accelerator, "scaler", None),
+                    headroom=headroom,
+                    min_batch=min_batch,
+                    **options,
+                )
+    finally:
+        accumulation.undo()
+        if created:
+            trainer.optimizer = None  # train() creates it, as it would have
+
+
+# The guard ------------------------------------------------------------------------------------
+
+
+class GuardedTrainingStep:
+    """``trainer.training_step`` made to recover from OOM (installed by
+    :func:`autobatch_trainer`); ``original`` is the trainer's own, ``stats`` what happened."""
+
+    def __init__(self, trainer: Any, original: Callable[..., Any], min_batch: int) -> None:
+        self._trainer = weakref.ref(trainer)
+        self.original = original
+        self.min_batch = min_batch
+        self._steps: dict[str, RetryingStep[..., Any]] = {}
+        self._latest: RetryingStep[..., Any] | None = None
+
+    @property
+    def stats(self) -> RecoveryStats:
+        """OOMs recovered and micro-batch sizes (of the loss normalisation in use)."""
+        return self._latest.stats if self._latest is not None else RecoveryStats()
+
+    def __repr__(self) -> str:
+        return f"<autobatch guarded training_step of {self.original!r}>"
+
+    def __call__(
+        self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        trainer = self._trainer()
+        if trainer is None:  # pragma: no cover - the trainer holds this object
+            raise AutobatchError("the trainer of this training_step is gone")
+        summed = _loss_summed(trainer, num_items_in_batch)
+        step = self._step(trainer, "sum" if summed else "mean")
+        self._latest = step
+        result: torch.Tensor = step(model, inputs, num_items_in_batch)
+        return result
+
+    def _step(self, trainer: Any, reduction: str) -> RetryingStep[..., Any]:
+        step = self._steps.get(reduction)
+        if step is None:
+            original = self.original
+
+            def training_step(model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+                return original(model, inputs, num_items_in_batch)
+
+            step = retry_on_oom(
+                policy="accumulate",
+                model=trainer.model,
+                reduction="sum" if reduction == "sum" else "mean",
+                items=_item_counter(trainer) if reduction == "mean" else None,
+                batch_arg="inputs",
+                min_batch=self.min_batch,
+                device=trainer.args.device,
+            )(training_step)
+            self._steps[reduction] = step
+        return step
+
+
+def _loss_summed(trainer: Any, num_items_in_batch: Any) -> bool:
+    """Whether the trainer's loss is normalised over the whole accumulation window (pieces add
+    up), as ``Trainer.training_step`` decides it; else it is a mean per batch."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is not None:
+        return bool(scaled)
+    if num_items_in_batch is None:
+        return False
+    return bool(trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
+
+
+def _shifts_labels(trainer: Any) -> bool:
+    """Whether the model's loss predicts ``labels[..., 1:]`` (a causal language model): the
+    trainer's own finding, or the model's loss function where the trainer could not tell (a
+    model whose ``loss_type`` is unset falls back to the causal LM loss)."""
+    if getattr(trainer, "_loss_shifts_labels", False):
+        return True
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    return getattr(model, "loss_function", None) is ForCausalLMLoss
+
+
+def _item_counter(trainer: Any) -> Callable[[Any], Any]:
+    """How many items a batch's mean loss averages over: its labels that are not ignored."""
+    shifts = _shifts_labels(trainer)
+
+    def count(batch: Any) -> Any:
+        labels = None
+        if hasattr(batch, "keys"):
+            if "shift_labels" in batch:
+                labels = batch["shift_labels"]
+            elif "labels" in batch:
+                labels = batch["labels"]
+                if shifts and isinstance(labels, torch.Tensor):
+                    labels = labels[..., 1:]
+        if not isinstance(labels, torch.Tensor):
+            return rows_of(batch)
+        return (labels != _IGNORE_INDEX).sum()
+
+    return count
