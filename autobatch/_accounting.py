@@ -124,7 +124,42 @@ def storages(objects: Iterable[Any]) -> Iterator[torch.UntypedStorage]:
             stack.extend(v for v in vars(obj).values() if isinstance(v, torch.Tensor))
 
 
-class CountingMode(TorchDispatchMode):
+class DispatchMode(TorchDispatchMode):
+    """A ``TorchDispatchMode`` that hands every operator to :meth:`dispatch`, its keyword
+    arguments always a dict: the one place that spells out torch's dispatch protocol.
+
+    >>> class Counting(DispatchMode):
+    ...     calls = 0
+    ...     def dispatch(self, func, args, kwargs):
+    ...         self.calls += 1
+    ...         return super().dispatch(func, args, kwargs)
+    >>> with Counting() as mode:
+    ...     _ = torch.ones(2) + 1
+    >>> mode.calls
+    2
+    """
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return self.dispatch(func, args, kwargs or {})
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one operator; by default as it is.
+
+        Args:
+            func: The operator (an ``OpOverload``).
+            args: Its positional arguments.
+            kwargs: Its keyword arguments.
+        """
+        return func(*args, **kwargs)
+
+
+class CountingMode(DispatchMode):
     """Tells a ledger about every storage an operator creates or grows.
 
     ``check(added_bytes)`` runs after each operator that added bytes, with the ledger already
@@ -144,14 +179,7 @@ class CountingMode(TorchDispatchMode):
         self.ledger = ledger
         self.check = check
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         peak_before = self.ledger.peak_bytes
         out = call_keeping_versions(func, args, kwargs)
         error: BaseException | None = None

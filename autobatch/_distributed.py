@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _fsdp
+from autobatch._accounting import DispatchMode
 from autobatch._errors import AutobatchError
 
 
@@ -224,7 +225,7 @@ class GradientAverage:
             target.copy_(buffer[at : at + length])
 
 
-class CollectiveGate(TorchDispatchMode):
+class CollectiveGate(DispatchMode):
     """A dispatch mode that calls ``before()`` ahead of every collective dispatched while it is
     active (a ``c10d`` operator: an all-reduce in the user's step, SyncBatchNorm's gathers),
     unless ``skip()`` says the collective is accounted for elsewhere. ``before`` runs only if
@@ -242,10 +243,7 @@ class CollectiveGate(TorchDispatchMode):
         self.seen = False
         self.allocated = True
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if func.namespace == "c10d":
             if not self.skip():
                 self.seen = True

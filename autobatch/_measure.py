@@ -16,8 +16,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autobatch._accounting import DispatchMode
 from autobatch._backends import DeviceMemory
 from autobatch._oom import failure_kind
 
@@ -205,7 +205,7 @@ class _StepPeaks:
         return () if self.inside is None else (self.outside, self.inside)
 
 
-class _OperatorMode(TorchDispatchMode):
+class _OperatorMode(DispatchMode):
     """Closes a segment of :class:`_StepPeaks` as each operator starts."""
 
     def __init__(self, peaks: _StepPeaks) -> None:
@@ -213,15 +213,9 @@ class _OperatorMode(TorchDispatchMode):
         self.close = peaks.close_segment
         self.storages = peaks.storages
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.close()
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
         if self.storages is not None:
             self.storages.born(out, (args, kwargs))
         return out

@@ -242,13 +242,7 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
         storage = tensor.untyped_storage()
         return storage not in self.ledger and _storage_key(storage) not in self.known
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.op = func
         node = torch._C._current_autograd_node()
         self.node = None if node is None else node.name()
@@ -274,7 +268,7 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
                         "is given (register other tensors as buffers of the model)"
                     )
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return super().dispatch(func, args, kwargs)
         except BaseException:
             self.failed_op = func
             raise

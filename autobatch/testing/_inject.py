@@ -12,10 +12,9 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autobatch._accounting import call_keeping_versions
+from autobatch._accounting import DispatchMode, call_keeping_versions
 
 _CUDA_TAIL = (
     "\nCUDA kernel errors might be asynchronously reported at some other API call, so the "
@@ -79,7 +78,7 @@ OOM_KINDS: dict[str, Callable[[], BaseException]] = {
 _PHASES = ("forward", "backward", "optimizer")
 
 
-class inject_oom(TorchDispatchMode):  # used like a function: `with inject_oom(...)`
+class inject_oom(DispatchMode):  # used like a function: `with inject_oom(...)`
     """Raise a realistic out-of-memory error at a chosen operator, deterministically.
 
     The error is raised before the chosen operator runs, so nothing of it is allocated. All
@@ -198,14 +197,7 @@ class inject_oom(TorchDispatchMode):  # used like a function: `with inject_oom(.
         self._matched += 1
         return self.at_op is None or self._matched == self.at_op
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._should_fire(args, kwargs):
             self.fired += 1
             if self._optimizer_depth:
