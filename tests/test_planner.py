@@ -10,7 +10,9 @@ from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-import autobatch._planner
+import autobatch._planner._meta
+import autobatch._planner._plan
+import autobatch._planner._records
 from autobatch import AutobatchError, BatchSizeError, search_batch_size
 from autobatch._accounting import round_allocation
 from autobatch._planner import Plan, plan_max_batch
@@ -362,9 +364,10 @@ def test_plan_repr_is_readable() -> None:
 
 
 def test_docstrings_run() -> None:
-    result = doctest.testmod(autobatch._planner)
-    assert result.failed == 0
-    assert result.attempted > 0
+    modules = (autobatch._planner._meta, autobatch._planner._plan, autobatch._planner._records)
+    results = [doctest.testmod(module) for module in modules]
+    assert sum(result.failed for result in results) == 0
+    assert sum(result.attempted for result in results) > 0
 
 
 # --------------------------------------------------------------------------- real models

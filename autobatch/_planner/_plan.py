@@ -1,0 +1,452 @@
+"""``plan_max_batch``: the search on planned peaks, on ``meta`` or from a few real CPU steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from autobatch._accounting import CUDA_BLOCK_BYTES
+from autobatch._backends import CpuMemory, restore_rng_states, save_rng_states
+from autobatch._errors import AutobatchError, BatchSizeError
+from autobatch._log import get_logger, user_stacklevel
+from autobatch._planner._meta import _MetaSetup, _StepError
+from autobatch._planner._records import Plan
+from autobatch._search import (
+    UNBOUNDED_MAX_SIZE,
+    LinearModel,
+    SearchOutcome,
+    Trial,
+    extrapolate,
+    fit_linear,
+    recommend,
+    search,
+)
+from autobatch._units import format_bytes, parse_bytes
+from autobatch._validate import check_module, check_search_options
+from autobatch._workload import (
+    DEFAULT_HEADROOM,
+    LossFn,
+    OptimizerLike,
+    Sample,
+    StepFn,
+)
+
+logger = get_logger("planner")
+
+
+def _byte_option(value: int | float | str, name: str) -> int:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0
+    return parse_bytes(value, name=name)
+
+
+def plan_max_batch(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike = None,
+    capacity: int | float | str = "80GiB",
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    train: bool = True,
+    min_batch: int = 1,
+    max_batch: int | None = None,
+    multiple_of: int = 1,
+    headroom: float = DEFAULT_HEADROOM,
+    overhead: int | float | str = 0,
+    block_bytes: int = CUDA_BLOCK_BYTES,
+    device_type: str = "cuda",
+) -> Plan:
+    """Predict the largest batch that fits a device of ``capacity`` bytes, without that device.
+
+    Runs the training step of :func:`~autobatch.find_max_batch` (same ``sample``, ``loss_fn``,
+    ``step_fn`` and ``train`` conventions, optimizer state resident) on a ``meta`` copy of the
+    model and optimizer, counting bytes exactly as :class:`~autobatch.testing.SimulatedGPU`
+    does: no real compute, no real memory, and the model is not touched. The step is planned at
+    the sizes the search engine asks for, so ``max_batch_size`` is exact for this accounting.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(),
+    ...                             torch.nn.Linear(2048, 10))
+    >>> plan = plan_max_batch(model, torch.randn(1, 512), torch.optim.Adam, capacity="24GiB")
+    >>> plan.max_batch_size > 100_000, plan.batch_size < plan.max_batch_size
+    (True, True)
+    >>> next(model.parameters()).device.type  # the real model stays where it was
+    'cpu'
+
+    What the plan cannot see: kernels that choose their memory on the device. On a GPU, attention
+    may run fused kernels (flash or memory-efficient SDPA) that need much less than the math
+    path planned here, and cuDNN/cuBLAS may take workspaces: with attention the plan is an upper
+    bound, the workspaces belong in ``overhead``. Fragmentation of the caching allocator is not
+    modelled (as in the simulator). A ``step_fn`` or ``loss_fn`` must only use the model it is
+    given (and module losses, which are copied); a GradScaler is not planned.
+
+    Args:
+        model: The module to plan for, on any device (``meta`` too); it is copied to ``meta``
+            without reading its data.
+        sample: One or a few examples, as for :func:`~autobatch.find_max_batch`; a callable ``n ->
+            batch`` is called once, as ``sample(1)``, and its row repeated (its rows' shapes must
+            not depend on ``n``).
+        optimizer: An optimizer (copied with its state), an optimizer class or factory, or None.
+        capacity: The device's memory, as bytes or a string with a unit (``"24GiB"``, ``"80GB"``).
+        loss_fn, step_fn, train: As for :func:`~autobatch.find_max_batch`.
+        min_batch, max_batch, multiple_of: The sizes allowed.
+        headroom: Fraction of the capacity the recommended ``batch_size`` leaves free at its peak.
+        overhead: Bytes the device holds besides the step's tensors (CUDA context, often 300-600 MiB
+            and not in ``torch.cuda.memory_allocated``; cuBLAS/cuDNN workspaces; other processes):
+            the peak may use ``capacity - overhead``.
+        block_bytes: The allocator's rounding: 512 as the CUDA caching allocator, 1 for raw bytes.
+        device_type: The kind of device planned for. Tensors the step keeps on the host (Adam's
+            ``step`` counters) count only when it is ``"cpu"``, and optimizers left to choose run
+            the implementation torch picks there (``foreach`` on ``"cuda"``); ``"cpu"`` plans what
+            :class:`~autobatch.testing.SimulatedGPU` measures.
+
+    Raises:
+        BatchSizeError: Even ``min_batch`` does not fit (with the planned bytes and the capacity).
+        AutobatchError: The step uses a tensor from outside the copies (a ``step_fn`` or ``loss_fn``
+            that reaches for the real model), or fails on the CPU copy too.
+
+    Warns:
+        UserWarning: The step cannot run on ``meta`` (``.item()``, e.g. on a Hugging Face
+            attention mask, data-dependent shapes, ops without a meta kernel): the message names
+            the module and the operator, and the plan comes from small real steps on a CPU copy
+            (``method="steps"``), as it always does for recurrent layers.
+    """
+    check_search_options(min_batch, max_batch, multiple_of, headroom, 1)
+    check_module("model", model)
+    if not isinstance(device_type, str) or not device_type:
+        raise ValueError(f"device_type must be a device type such as 'cuda', got {device_type!r}")
+    capacity_bytes = parse_bytes(capacity)
+    overhead_bytes = _byte_option(overhead, "overhead")
+    budget = capacity_bytes - overhead_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"overhead={overhead!r} ({format_bytes(overhead_bytes)}) leaves nothing of "
+            f"capacity={capacity!r} ({format_bytes(capacity_bytes)}); lower the overhead"
+        )
+    started = time.perf_counter()
+    steps: dict[str, Any] = {
+        "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "device_type": device_type,
+        "block_bytes": block_bytes,
+    }
+    grid: dict[str, Any] = {
+        "min_batch": min_batch, "max_batch": max_batch, "multiple_of": multiple_of,
+    }
+    sizes: dict[str, Any] = {
+        "capacity_bytes": capacity_bytes, "overhead_bytes": overhead_bytes, "headroom": headroom,
+    }
+    recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if recurrent:  # their kernels on the CPU or GPU keep workspaces a meta run does not see
+        why = (
+            f"recurrent layers ({', '.join(recurrent)}) keep workspaces that their meta kernels "
+            "do not allocate"
+        )
+    else:
+        try:
+            return _plan_on_meta(model, sample, optimizer, started=started, **steps, **grid,
+                                 **sizes)
+        except _StepError as error:
+            why = str(error).split(". The planner runs shapes")[0]
+            warnings.warn(
+                f"{why}. Planning from two or three small real steps on a CPU copy instead, "
+                "extrapolated per operator (seconds, and as exact as the simulator where the "
+                "step's operators do not change with the size)",
+                stacklevel=user_stacklevel(),
+            )
+    return _plan_from_steps(model, sample, optimizer, why=why, started=started, **steps, **grid,
+                            **sizes)
+
+
+def _plan_on_meta(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike,
+    *,
+    started: float,
+    loss_fn: LossFn | None,
+    step_fn: StepFn | None,
+    train: bool,
+    device_type: str,
+    block_bytes: int,
+    min_batch: int,
+    max_batch: int | None,
+    multiple_of: int,
+    capacity_bytes: int,
+    overhead_bytes: int,
+    headroom: float,
+) -> Plan:
+    """The plan from steps on the meta device, at the sizes the search engine asks for."""
+    budget = capacity_bytes - overhead_bytes
+    started = time.perf_counter()
+    with _disable_current_modes():  # a simulator or fake mode around us must not see the copies
+        setup = _MetaSetup(
+            model,
+            sample,
+            optimizer,
+            loss_fn=loss_fn,
+            step_fn=step_fn,
+            train=train,
+            device_type=device_type,
+            block_bytes=block_bytes,
+        )
+        peaks: dict[int, int] = {}
+
+        def probe(n: int) -> Trial:
+            peaks[n] = peak = setup.peak(n)
+            logger.info(
+                "planned batch %d: peak %s, %s", n, format_bytes(peak),
+                "fits" if peak <= budget else "does not fit",
+            )
+            return Trial(n, peak <= budget, peak)
+
+        outcome = search(
+            probe,
+            min_size=min_batch,
+            max_size=max_batch,
+            multiple_of=multiple_of,
+            capacity_bytes=budget,
+        )
+        first = -(-min_batch // multiple_of) * multiple_of
+        largest = outcome.largest_fit
+        if largest is None:
+            raise BatchSizeError(
+                f"even the smallest batch ({min_batch}) does not fit: the plan needs "
+                f"{format_bytes(peaks[first] + overhead_bytes)} at batch {first} "
+                f"(overhead {format_bytes(overhead_bytes)} included) of "
+                f"{format_bytes(capacity_bytes)}. Reduce the model or the input size, use mixed "
+                "precision, gradient checkpointing or a sharded optimizer, or a larger device",
+                batch_size=min_batch,
+                needed_bytes=peaks[first] + overhead_bytes,
+                capacity_bytes=capacity_bytes,
+            )
+        half = max(first, largest // 2 // multiple_of * multiple_of)
+        top = largest if largest > half else outcome.smallest_fail
+        if top is not None and half not in peaks:
+            probe(half)
+        memory_model = None if top is None else fit_linear([(half, peaks[half]), (top, peaks[top])])
+        breakdown = setup.breakdown(largest)
+        # Planned like a search's trials: every part of the curve within (1 - headroom) of the
+        # capacity, the size's own planned peak checked.
+        batch_size = recommend(
+            outcome,
+            capacity_bytes=capacity_bytes,
+            headroom=headroom,
+            multiple_of=multiple_of,
+            min_size=min_batch,
+            probe=probe,
+            reserved_bytes=overhead_bytes,
+        )
+    notes = list(setup.notes)
+    if train and setup.optimizer is None and step_fn is None:
+        notes.append("no optimizer given: forward and backward only, optimizer state not counted")
+    if not train:
+        notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
+    if setup.mode.attention:
+        notes.append(
+            "attention planned with the math path; fused attention kernels (flash, "
+            "memory-efficient) on the device need less, so the plan is an upper bound there"
+        )
+    plan = Plan(
+        batch_size=batch_size,
+        max_batch_size=largest,
+        memory_model=memory_model,
+        points=tuple(sorted(peaks.items())),
+        capacity_bytes=capacity_bytes,
+        overhead_bytes=overhead_bytes,
+        breakdown=breakdown,
+        seconds=time.perf_counter() - started,
+        headroom=float(headroom),
+        device_type=device_type,
+        notes=tuple(notes),
+    )
+    logger.info(
+        "planned largest batch %d, recommended %d, in %.2f s",
+        plan.max_batch_size, plan.batch_size, plan.seconds,
+    )
+    return plan
+
+
+
+#: The real steps of a plan from steps stay below this much host memory each.
+_HOST_STEP_BYTES = 256 * 2**20
+
+
+def _extrapolated(
+    measure: Any, trials: list[Trial], budget: int, first: int, last: int | None, step: int,
+    block_bytes: int,
+) -> tuple[int, LinearModel | None]:
+    """The largest size within ``budget`` from steps too large to run here: two small real
+    steps, then up to two more halfway to the answer while a step stays cheap on this host,
+    every operator's peak extrapolated on its own line (the more cautious of the lines through
+    all the points and through the last two)."""
+    small = max(first, -(-2 // step) * step)
+    for n in (small, 4 * small):
+        if last is None or n <= last:
+            measure(n)
+    if len(trials) < 2:
+        measure(first)
+        return (first if trials[0].fits else 0), None
+    largest, line = extrapolate(trials, budget, granularity_bytes=block_bytes)
+    for _ in range(2):
+        if line is None:
+            break
+        affordable = line.largest_within(line.predict(0) + _HOST_STEP_BYTES)
+        farther = min(largest // 2, affordable, UNBOUNDED_MAX_SIZE) // step * step
+        if last is not None:
+            farther = min(farther, last)
+        if farther < 2 * max(t.size for t in trials):
+            break
+        measure(farther)
+        largest, line = extrapolate(trials, budget, granularity_bytes=block_bytes)
+    if len(trials) > 2:
+        recent, _ = extrapolate(trials[-2:], budget, granularity_bytes=block_bytes)
+        largest = min(largest, recent)
+    return largest, line
+
+
+def _plan_from_steps(
+    model: nn.Module,
+    sample: Sample,
+    optimizer: OptimizerLike,
+    *,
+    why: str,
+    started: float,
+    loss_fn: LossFn | None,
+    step_fn: StepFn | None,
+    train: bool,
+    device_type: str,
+    block_bytes: int,
+    min_batch: int,
+    max_batch: int | None,
+    multiple_of: int,
+    capacity_bytes: int,
+    overhead_bytes: int,
+    headroom: float,
+) -> Plan:
+    """The plan from two or three small real steps on CPU copies of the model and optimizer,
+    counted with the same accounting, each operator's peak extrapolated on its own line."""
+    budget = capacity_bytes - overhead_bytes
+    step = multiple_of
+    first = -(-min_batch // step) * step
+    last = None if max_batch is None else max_batch // step * step
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    host = CpuMemory(torch.device("cpu")).free_bytes()
+    if 4 * weights > host // 2:  # the copy, its gradients and an optimizer's two moments
+        raise AutobatchError(
+            f"plan_max_batch cannot plan this step from real steps on a CPU copy ({why}): the "
+            f"copy with its gradients and optimizer state needs about "
+            f"{format_bytes(4 * weights)}, more than half of the {format_bytes(host)} of host "
+            "memory free; use autobatch.find_max_batch on the device instead"
+        )
+    with _disable_current_modes():
+        torch_rng, python_rng = save_rng_states(), random.getstate()
+        try:
+            setup = _MetaSetup(
+                model, sample, optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train,
+                device_type=device_type, block_bytes=block_bytes, real=True,
+            )
+            trials: list[Trial] = []
+
+            def measure(n: int) -> Trial:
+                began = time.perf_counter()
+                outcome = setup.parts(n)
+                peak = outcome.peak_bytes or 0
+                trial = Trial(n, peak <= budget, peak, parts=outcome.parts)
+                trials.append(trial)
+                logger.info(
+                    "measured batch %d on a CPU copy: peak %s, %.2f s", n, format_bytes(peak),
+                    time.perf_counter() - began,
+                )
+                return trial
+
+            if budget <= _HOST_STEP_BYTES:  # every step fits on this host: measure them all
+                exact = search(measure, min_size=min_batch, max_size=max_batch,
+                               multiple_of=step, capacity_bytes=budget)
+                largest = 0 if exact.largest_fit is None else exact.largest_fit
+                line = exact.model
+                reach = "sizes measured up to the answer and the one above it"
+            else:
+                largest, line = _extrapolated(measure, trials, budget, first, last, step,
+                                              block_bytes)
+                reach = (
+                    f"sizes above {max(t.size for t in trials)} extrapolated, each operator's "
+                    "peak on its own line (a kernel whose memory changes in steps may make it "
+                    "a little optimistic)"
+                )
+            fitting = [t for t in trials if t.fits] or trials
+            biggest = max(t.size for t in fitting)
+            breakdown_at = setup.breakdown(biggest)
+        finally:
+            restore_rng_states(torch_rng)
+            random.setstate(python_rng)
+    peaks = {t.size: t.peak_bytes or 0 for t in trials}
+    largest = max(largest, 0) // step * step
+    if last is not None:
+        largest = min(largest, last)
+    if largest < first:
+        needed = peaks.get(first, min(peaks.values())) + overhead_bytes
+        raise BatchSizeError(
+            f"even the smallest batch ({min_batch}) does not fit: measured on a CPU copy, the "
+            f"step needs about {format_bytes(needed)} (overhead "
+            f"{format_bytes(overhead_bytes)} included) of {format_bytes(capacity_bytes)}. Reduce "
+            "the model or the input size, use mixed precision, gradient checkpointing or a "
+            "sharded optimizer, or a larger device",
+            batch_size=min_batch,
+            needed_bytes=needed,
+            capacity_bytes=capacity_bytes,
+        )
+    predicted = peaks.get(largest, int(line.predict(largest)) if line is not None else peaks[biggest])
+    outcome = SearchOutcome(largest, largest + step, tuple(t for t in trials if t.fits), line)
+    batch_size = recommend(
+        outcome, capacity_bytes=capacity_bytes, headroom=headroom, multiple_of=step,
+        min_size=min_batch, reserved_bytes=overhead_bytes,
+    )
+    scale = largest / biggest
+    fixed = (
+        breakdown_at.parameters + breakdown_at.buffers + breakdown_at.gradients
+        + breakdown_at.optimizer_state
+    )
+    batch_bytes = round(breakdown_at.batch * scale)
+    breakdown = dataclasses.replace(
+        breakdown_at, batch=batch_bytes, activations=max(predicted - fixed - batch_bytes, 0)
+    )
+    notes = [
+        f"planned from {len(trials)} real steps on a CPU copy (batches "
+        f"{', '.join(str(t.size) for t in trials)}; {reach}): {why}",
+        *setup.notes,
+    ]
+    if train and setup.optimizer is None and step_fn is None:
+        notes.append("no optimizer given: forward and backward only, optimizer state not counted")
+    if not train:
+        notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
+    if device_type != "cpu":
+        notes.append(
+            f"measured with the CPU's kernels: on {device_type} some kernels (cuDNN recurrent "
+            "layers, fused attention) keep other workspaces; check with find_max_batch there"
+        )
+    plan = Plan(
+        batch_size=batch_size,
+        max_batch_size=largest,
+        memory_model=line,
+        points=tuple(sorted(peaks.items())),
+        capacity_bytes=capacity_bytes,
+        overhead_bytes=overhead_bytes,
+        breakdown=breakdown,
+        seconds=time.perf_counter() - started,
+        headroom=float(headroom),
+        device_type=device_type,
+        notes=tuple(notes),
+        method="steps",
+    )
+    logger.info(
+        "planned largest batch %d from real steps, recommended %d, in %.2f s",
+        plan.max_batch_size, plan.batch_size, plan.seconds,
+    )
+    return plan
