@@ -65,6 +65,17 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
         return _local(tensor).detach().to("cpu", copy=True)
 
 
+def _restore_entries(entries: dict[str, tuple[Any, Any]], into: dict[str, Any]) -> None:
+    """Put saved ``(original, copy)`` entries back into ``into``: tensors in place, in the
+    objects they were, other values as copies."""
+    for key, (original, copied) in entries.items():
+        if isinstance(original, torch.Tensor):
+            _put_back(original, copied)
+            into[key] = original
+        else:
+            into[key] = copy.deepcopy(copied)
+
+
 def _put_back(target: torch.Tensor, saved: torch.Tensor) -> None:
     with torch.no_grad():
         _local(target).copy_(saved)
@@ -289,23 +300,13 @@ class Snapshot:
         optimizer.state.clear()
         for param, entries in saved["state"].items():
             restored: dict[str, Any] = {}
-            for key, (original, copied) in entries.items():
-                if isinstance(original, torch.Tensor):
-                    _put_back(original, copied)
-                    restored[key] = original
-                else:
-                    restored[key] = copy.deepcopy(copied)
+            _restore_entries(entries, restored)
             optimizer.state[param] = restored
         del optimizer.param_groups[saved["count"]:]
         for group, entries in zip(optimizer.param_groups, saved["groups"], strict=True):
             for key in [k for k in group if k != "params" and k not in entries]:
                 del group[key]
-            for key, (original, copied) in entries.items():
-                if isinstance(original, torch.Tensor):
-                    _put_back(original, copied)
-                    group[key] = original
-                else:
-                    group[key] = copy.deepcopy(copied)
+            _restore_entries(entries, group)
 
     @staticmethod
     def _restore_object(obj: Any, saved: tuple[set[str], dict[str, tuple[Any, Any]]]) -> None:

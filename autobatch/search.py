@@ -13,41 +13,10 @@ search anything whose cost grows with a size.
 
 from __future__ import annotations
 
+from autobatch import _search
 from autobatch._finder import find_max_batch, search_batch_size
 from autobatch._result import SearchResult
-from autobatch._search import (
-    UNBOUNDED_MAX_SIZE,
-    Exponential,
-    LinearModel,
-    ModelGuided,
-    SearchOutcome,
-    SearchPolicy,
-    SearchState,
-    Trial,
-    binding_points,
-    extrapolate,
-    fit_linear,
-    recommend,
-    search,
-    trusted_curve,
-)
+from autobatch._search import *  # noqa: F403  # the engine is public here, as it is
 
-__all__ = [
-    "UNBOUNDED_MAX_SIZE",
-    "Exponential",
-    "LinearModel",
-    "ModelGuided",
-    "SearchOutcome",
-    "SearchPolicy",
-    "SearchResult",
-    "SearchState",
-    "Trial",
-    "binding_points",
-    "extrapolate",
-    "find_max_batch",
-    "fit_linear",
-    "recommend",
-    "search",
-    "search_batch_size",
-    "trusted_curve",
-]
+__all__ = ["SearchResult", "find_max_batch", "search_batch_size"]
+__all__ += _search.__all__  # the engine, public here

@@ -167,6 +167,23 @@ def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     return meta.requires_grad_(tensor.requires_grad)
 
 
+def _tensors_of(objects: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Every value of the modules (parameters, buffers, plain tensor attributes) and optimizers
+    (parameters, state) that may be a tensor, with whether it is optimizer state."""
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            for module in obj.modules():
+                for value in tree_flatten(list(vars(module).values()))[0]:
+                    yield value, False
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                for param in group["params"]:
+                    yield param, False
+            for state in obj.state.values():
+                for value in tree_flatten(state)[0]:
+                    yield value, True
+
+
 def _meta_memo(objects: Iterable[Any]) -> dict[int, Any]:
     """A ``copy.deepcopy`` memo that turns every tensor of the modules and optimizers into a meta
     tensor of the same shape, dtype, strides and ``requires_grad``, without reading its data.
@@ -175,25 +192,10 @@ def _meta_memo(objects: Iterable[Any]) -> dict[int, Any]:
     capturable) is copied as it is: the optimizer reads its value.
     """
     memo: dict[int, Any] = {}
-
-    def put(tensor: Any) -> None:
-        if isinstance(tensor, torch.Tensor) and id(tensor) not in memo:
-            memo[id(tensor)] = _meta_like(tensor)
-
-    for obj in objects:
-        if isinstance(obj, nn.Module):
-            for module in obj.modules():  # parameters, buffers and plain tensor attributes
-                for value in tree_flatten(list(vars(module).values()))[0]:
-                    put(value)
-        elif isinstance(obj, torch.optim.Optimizer):
-            for group in obj.param_groups:
-                for param in group["params"]:
-                    put(param)
-            for state in obj.state.values():
-                for value in tree_flatten(state)[0]:
-                    if isinstance(value, torch.Tensor) and id(value) not in memo:
-                        host_scalar = value.dim() == 0 and value.device.type == "cpu"
-                        memo[id(value)] = value.clone() if host_scalar else _meta_like(value)
+    for value, state in _tensors_of(objects):
+        if isinstance(value, torch.Tensor) and id(value) not in memo:
+            host_scalar = state and value.dim() == 0 and value.device.type == "cpu"
+            memo[id(value)] = value.clone() if host_scalar else _meta_like(value)
     return memo
 
 
@@ -202,32 +204,18 @@ def _real_memo(objects: Iterable[Any]) -> dict[int, Any]:
     CPU (same values, dtype and ``requires_grad``): the planner's real copies, for steps that
     cannot run on ``meta``."""
     memo: dict[int, Any] = {}
-
-    def put(tensor: Any) -> None:
-        if isinstance(tensor, torch.Tensor) and id(tensor) not in memo:
-            if tensor.device.type == "meta":
+    for value, _ in _tensors_of(objects):
+        if isinstance(value, torch.Tensor) and id(value) not in memo:
+            if value.device.type == "meta":
                 raise AutobatchError(
                     "the model is on the meta device: it has no values for the real steps the "
                     "planner needs here"
                 )
-            copied = tensor.detach().to("cpu", copy=True)
-            if isinstance(tensor, nn.Parameter):
-                memo[id(tensor)] = nn.Parameter(copied, requires_grad=tensor.requires_grad)
+            copied = value.detach().to("cpu", copy=True)
+            if isinstance(value, nn.Parameter):
+                memo[id(value)] = nn.Parameter(copied, requires_grad=value.requires_grad)
             else:
-                memo[id(tensor)] = copied.requires_grad_(tensor.requires_grad)
-
-    for obj in objects:
-        if isinstance(obj, nn.Module):
-            for module in obj.modules():
-                for value in tree_flatten(list(vars(module).values()))[0]:
-                    put(value)
-        elif isinstance(obj, torch.optim.Optimizer):
-            for group in obj.param_groups:
-                for param in group["params"]:
-                    put(param)
-            for state in obj.state.values():
-                for value in tree_flatten(state)[0]:
-                    put(value)
+                memo[id(value)] = copied.requires_grad_(value.requires_grad)
     return memo
 
 

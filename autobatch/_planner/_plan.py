@@ -243,32 +243,36 @@ def _plan_on_meta(
             probe=probe,
             reserved_bytes=overhead_bytes,
         )
-    notes = list(setup.notes)
-    if train and setup.optimizer is None and step_fn is None:
-        notes.append("no optimizer given: forward and backward only, optimizer state not counted")
-    if not train:
-        notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
+    extra = []
     if setup.mode.attention:
-        notes.append(
+        extra.append(
             "attention planned with the math path; fused attention kernels (flash, "
             "memory-efficient) on the device need less, so the plan is an upper bound there"
         )
-    plan = Plan(
-        batch_size=batch_size,
-        max_batch_size=largest,
-        memory_model=memory_model,
-        points=tuple(sorted(peaks.items())),
-        capacity_bytes=capacity_bytes,
-        overhead_bytes=overhead_bytes,
-        breakdown=breakdown,
-        seconds=time.perf_counter() - started,
-        headroom=float(headroom),
+    return _planned(
+        [*setup.notes], extra, train=train, counts_optimizer=setup.optimizer is not None
+        or step_fn is not None, started=started, how="",
+        batch_size=batch_size, max_batch_size=largest, memory_model=memory_model,
+        points=tuple(sorted(peaks.items())), capacity_bytes=capacity_bytes,
+        overhead_bytes=overhead_bytes, breakdown=breakdown, headroom=float(headroom),
         device_type=device_type,
-        notes=tuple(notes),
     )
+
+
+def _planned(
+    notes: list[str], extra: list[str], *, train: bool, counts_optimizer: bool, started: float,
+    how: str, **fields: Any,
+) -> Plan:
+    """The plan from its fields, with the notes every plan shares between ``notes`` and
+    ``extra``, logged."""
+    if train and not counts_optimizer:
+        notes.append("no optimizer given: forward and backward only, optimizer state not counted")
+    if not train:
+        notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
+    plan = Plan(notes=(*notes, *extra), seconds=time.perf_counter() - started, **fields)
     logger.info(
-        "planned largest batch %d, recommended %d, in %.2f s",
-        plan.max_batch_size, plan.batch_size, plan.seconds,
+        "planned largest batch %d%s, recommended %d, in %.2f s",
+        plan.max_batch_size, how, plan.batch_size, plan.seconds,
     )
     return plan
 
@@ -422,31 +426,17 @@ def _plan_from_steps(
         f"{', '.join(str(t.size) for t in trials)}; {reach}): {why}",
         *setup.notes,
     ]
-    if train and setup.optimizer is None and step_fn is None:
-        notes.append("no optimizer given: forward and backward only, optimizer state not counted")
-    if not train:
-        notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
+    extra = []
     if device_type != "cpu":
-        notes.append(
+        extra.append(
             f"measured with the CPU's kernels: on {device_type} some kernels (cuDNN recurrent "
             "layers, fused attention) keep other workspaces; check with find_max_batch there"
         )
-    plan = Plan(
-        batch_size=batch_size,
-        max_batch_size=largest,
-        memory_model=line,
-        points=tuple(sorted(peaks.items())),
-        capacity_bytes=capacity_bytes,
-        overhead_bytes=overhead_bytes,
-        breakdown=breakdown,
-        seconds=time.perf_counter() - started,
-        headroom=float(headroom),
-        device_type=device_type,
-        notes=tuple(notes),
-        method="steps",
+    return _planned(
+        notes, extra, train=train, counts_optimizer=setup.optimizer is not None
+        or step_fn is not None, started=started, how=" from real steps",
+        batch_size=batch_size, max_batch_size=largest, memory_model=line,
+        points=tuple(sorted(peaks.items())), capacity_bytes=capacity_bytes,
+        overhead_bytes=overhead_bytes, breakdown=breakdown, headroom=float(headroom),
+        device_type=device_type, method="steps",
     )
-    logger.info(
-        "planned largest batch %d from real steps, recommended %d, in %.2f s",
-        plan.max_batch_size, plan.batch_size, plan.seconds,
-    )
-    return plan

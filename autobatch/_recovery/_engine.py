@@ -310,7 +310,7 @@ class _Engine:
 
     def _finished(self, samples: int) -> None:
         self.calls += 1
-        self.tally.samples += samples
+        self.tally.counts["samples"] += samples
 
     def _unsplittable(self, batch: Batch, failure: _Failure, reason: str) -> AutobatchError:
         return AutobatchError(
@@ -338,7 +338,7 @@ class _Engine:
                 self._finished(0)
                 attempt.learned()
                 return result
-        self.tally.ooms += 1
+        self.tally.counts["ooms"] += 1
         raise self._unsplittable(batch, failure, reason) from failure.exc
 
     def _piece(
@@ -533,8 +533,7 @@ class _Engine:
         updates, clean up, free memory, and pick a smaller size. ``lost`` samples are redone;
         ``restart``: the batch starts over. Returns the accumulation to continue with. Under a
         process group every rank takes the same size."""
-        self.tally.ooms += 1
-        self.tally.samples_recomputed += lost
+        self.tally.counts.update(ooms=1, samples_recomputed=lost)
         if observer is not None:
             observer.oom(lost)
         coord = self.coordinated()

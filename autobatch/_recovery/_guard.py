@@ -104,7 +104,7 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
                 "iterate an oom_guard inside its with block: "
                 "`with oom_guard(loader) as guard: for batch in guard: ...`"
             )
-        tally = self._tally
+        counts = self._tally.counts
         for batch in self._loader:
             engine = self._engine
             self._piece = None
@@ -112,8 +112,8 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
                 self._current = batch  # whole batches: the fast path
                 yield batch
                 self._index += 1
-                tally.batches += 1
-                tally.samples += _rows(batch)
+                counts["batches"] += 1
+                counts["samples"] += _rows(batch)
                 continue
             try:
                 total = batch_size(batch)
@@ -135,8 +135,7 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
 
     def _batch_done(self, samples: int) -> None:
         self._index += 1
-        self._tally.batches += 1
-        self._tally.samples += samples
+        self._tally.counts.update(batches=1, samples=samples)
 
     # The engine's events (the guard is its observer while active) ----------------------------
 
@@ -147,8 +146,7 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
 
     def oom(self, lost: int) -> None:
         """A step ran out of memory and redoes ``lost`` samples."""
-        self._tally.ooms += 1
-        self._tally.samples_recomputed += lost
+        self._tally.counts.update(ooms=1, samples_recomputed=lost)
 
     def size_changed(self, engine: _Engine, change: SizeChange) -> None:
         """A step changed its piece size (recorded at the guard's batch index)."""

@@ -424,7 +424,7 @@ class _Coordination:
                     break
             # Out of the except block: the failed first step is gone. The other ranks learn
             # nothing of this retry: the averaged gradients are the same, so is the update.
-            self.engine.tally.ooms += 1
+            self.engine.tally.counts["ooms"] += 1
             optimizer.state.clear()  # every entry was made by the failed first step
             error = None
             free_memory(params[0].device if params else None)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,31 +69,24 @@ class RecoveryStats:
     history: tuple[SizeChange, ...] = ()
 
 
-@dataclass
 class _Tally:
-    """The mutable counters behind :class:`RecoveryStats` (a snapshot is made when read)."""
+    """The mutable counters behind :class:`RecoveryStats` (a snapshot is made when read):
+    ``counts`` holds its integer fields by name."""
 
-    ooms: int = 0
-    shrinks: int = 0
-    grows: int = 0
-    failed_grows: int = 0
-    batches: int = 0
-    samples: int = 0
-    samples_recomputed: int = 0
-    micro_batch_size: int | None = None
-    changes: int = 0
-    history: collections.deque[SizeChange] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=HISTORY)
-    )
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.micro_batch_size: int | None = None
+        self.history: collections.deque[SizeChange] = collections.deque(maxlen=HISTORY)
 
     def change(self, change: SizeChange) -> None:
         self.history.append(change)
-        self.changes += 1
-        self.shrinks += change.reason in ("oom", "grow failed")
-        self.grows += change.reason == "grow"
-        self.failed_grows += change.reason == "grow failed"
+        self.counts.update(
+            changes=1,
+            shrinks=change.reason in ("oom", "grow failed"),
+            grows=change.reason == "grow",
+            failed_grows=change.reason == "grow failed",
+        )
 
     def snapshot(self, **override: Any) -> RecoveryStats:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields["history"] = tuple(self.history)
-        return RecoveryStats(**{**fields, **override})
+        fields = {"micro_batch_size": self.micro_batch_size, "history": tuple(self.history)}
+        return RecoveryStats(**{**self.counts, **fields, **override})

@@ -103,3 +103,12 @@ def shares(counts: Sequence[float], rows: Sequence[int], reduction: str) -> list
 def rows_of(batch: Any) -> int:
     """The number of rows of a batch (dimension 0 of its tensors, or per-sample lists)."""
     return batch_size(batch)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    """The optimizer's step, through the gradient scaler when there is one."""
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()

@@ -55,6 +55,7 @@ from autobatch.integrations._common import (
     Patch,
     dataset_length,
     first_rows,
+    optimizer_step,
     preserved_rng,
     rows_of,
     shares,
@@ -418,11 +419,7 @@ def _trial_step(
         if scaler is not None:
             scaler.unscale_(optimizer)
         _clip(trainer, module, optimizer)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        optimizer_step(optimizer, scaler)
 
     return step
 

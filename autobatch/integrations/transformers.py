@@ -53,6 +53,7 @@ from autobatch.integrations._common import (
     Patch,
     dataset_length,
     first_rows,
+    optimizer_step,
     preserved_rng,
     rows_of,
 )
@@ -262,11 +263,7 @@ def _trial_step(
             if scaler is not None:
                 scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), norm)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        optimizer_step(optimizer, scaler)
 
     return step
 
