@@ -18,6 +18,7 @@ from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_stacklevel
 from autobatch._measure import per_operator_possible
 from autobatch._oom import oom_kind
+from autobatch._progress import OnTrial, watching
 from autobatch._result import SearchResult
 from autobatch._search import LinearModel, Trial, recommend, search
 from autobatch._trial import TrialRunner, prepared
@@ -58,6 +59,8 @@ def search_batch_size(
     plan: bool = False,
     sync_ranks: bool = True,
     cache: CacheOption = False,
+    on_trial: OnTrial | None = None,
+    progress: bool = False,
 ) -> SearchResult:
     """Search for the largest batch that fits and the recommended one, with real steps; returns
     the full record: ``batch_size`` (recommended, as :func:`find_max_batch` returns) and
@@ -78,6 +81,11 @@ def search_batch_size(
     autocast dtype, train or inference, search options — and stores new ones. It is off by
     default (the CLI turns it on): a cached answer cannot see what other processes hold now.
     Under torch.distributed the cache is not used, so that every rank runs the same trials.
+
+    ``on_trial`` is called with each :class:`~autobatch.search.Trial` as it ends (this rank's
+    own verdict, before the ranks agree); ``progress=True`` shows each trial as it ends (a
+    ``tqdm`` bar on a terminal when ``tqdm`` is installed, plain lines on stderr otherwise). A
+    cached answer runs no trial.
     """
     check_search_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
     check_module("model", model)
@@ -85,23 +93,25 @@ def search_batch_size(
     memory = memory_for(target)
     store = open_cache(cache)
 
-    def measured() -> SearchResult:
-        return _measured_search(
-            model, sample, optimizer, target, memory, loss_fn=loss_fn, step_fn=step_fn,
-            train=train, min_batch=min_batch, max_batch=max_batch, multiple_of=multiple_of,
-            headroom=headroom, steps_per_trial=steps_per_trial, scaler=scaler, start=start,
-            prior=prior, plan=plan, sync_ranks=sync_ranks,
-        )
+    with watching(on_trial, progress) as each_trial:
 
-    if store is None or (sync_ranks and _distributed.active()):
-        return measured()
-    options: dict[str, Any] = {
-        "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "min_batch": min_batch,
-        "max_batch": max_batch, "multiple_of": multiple_of, "headroom": headroom,
-        "steps_per_trial": steps_per_trial, "scaler": scaler,
-    }
-    key = lambda: search_key(model, sample, optimizer, memory, **options)  # noqa: E731
-    return cached_search(store, key, measured)[0]
+        def measured() -> SearchResult:
+            return _measured_search(
+                model, sample, optimizer, target, memory, loss_fn=loss_fn, step_fn=step_fn,
+                train=train, min_batch=min_batch, max_batch=max_batch, multiple_of=multiple_of,
+                headroom=headroom, steps_per_trial=steps_per_trial, scaler=scaler, start=start,
+                prior=prior, plan=plan, sync_ranks=sync_ranks, on_trial=each_trial,
+            )
+
+        if store is None or (sync_ranks and _distributed.active()):
+            return measured()
+        options: dict[str, Any] = {
+            "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "min_batch": min_batch,
+            "max_batch": max_batch, "multiple_of": multiple_of, "headroom": headroom,
+            "steps_per_trial": steps_per_trial, "scaler": scaler,
+        }
+        key = lambda: search_key(model, sample, optimizer, memory, **options)  # noqa: E731
+        return cached_search(store, key, measured)[0]
 
 
 def _measured_search(
@@ -124,6 +134,7 @@ def _measured_search(
     prior: LinearModel | None,
     plan: bool,
     sync_ranks: bool,
+    on_trial: OnTrial | None = None,
 ) -> SearchResult:
     """The search itself, with real trials (the cache, if any, wraps it)."""
     make_batch = batch_factory(sample, target)
@@ -179,6 +190,7 @@ def _measured_search(
         runner = TrialRunner(
             make_batch, work.step, work.memory, steps_per_trial=steps_per_trial,
             cleanup=work.drop_gradients, per_operator=per_operator_possible(work.model),
+            on_trial=on_trial,
         )
         probe = _distributed.trials_in_lockstep(runner, model, sync=sync)  # (FSDP2)
         if work.optimizer is not None:
@@ -374,6 +386,8 @@ def find_max_batch(
     plan: bool = False,
     sync_ranks: bool = True,
     cache: CacheOption = False,
+    on_trial: OnTrial | None = None,
+    progress: bool = False,
 ) -> int:
     """The recommended batch size: the largest whose measured peak leaves ``headroom`` of the
     device free (5% by default), found with real training steps; ``headroom=0`` returns the exact
@@ -418,7 +432,8 @@ def find_max_batch(
             notes.
         steps_per_trial: Steps run at each size (several catch memory that grows over steps).
         scaler: A ``torch.amp.GradScaler``: used by the default step, and restored afterwards.
-        start, prior, plan, sync_ranks, cache: As for :func:`search_batch_size`.
+        start, prior, plan, sync_ranks, cache, on_trial, progress: As for
+            :func:`search_batch_size`.
 
     Raises:
         BatchSizeError: Even ``min_batch`` does not fit (with the bytes needed and the capacity).
@@ -427,5 +442,5 @@ def find_max_batch(
         model, sample, optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train, device=device,
         min_batch=min_batch, max_batch=max_batch, multiple_of=multiple_of, headroom=headroom,
         steps_per_trial=steps_per_trial, scaler=scaler, start=start, prior=prior, plan=plan,
-        sync_ranks=sync_ranks, cache=cache,
+        sync_ranks=sync_ranks, cache=cache, on_trial=on_trial, progress=progress,
     ).batch_size

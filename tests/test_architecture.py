@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("testing",),
     ("_workload", "_measure"),
     ("_trial",),
-    ("_result", "_plot"),
+    ("_result", "_plot", "_progress"),
     ("_cache",),
     ("_finder", "_planner", "_throughput", "_recovery", "data"),
     ("search", "integrations", "cli", "__main__", "__init__"),
