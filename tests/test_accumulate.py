@@ -734,16 +734,16 @@ def test_history_is_a_bounded_window_with_counters() -> None:
         if len(b) > limit[0]:
             raise _oom()
 
-    batches = [torch.ones(8) for _ in range(500)]
+    batches = [torch.ones(8) for _ in range(160)]  # far more changes than the window keeps
     with oom_guard(batches) as guard:
         for i, b in enumerate(guard):
             limit[0] = 6 if i % 3 else 3
             step(b)
     for stats in (guard.stats, step.stats):
-        assert stats.shrinks + stats.grows > 200
+        assert stats.shrinks + stats.grows > 64 + 32
         assert stats.changes >= stats.shrinks + stats.grows
         assert len(stats.history) == 64  # the most recent changes
-        assert stats.history[-1].step >= 490
+        assert stats.history[-1].step >= 150
 
 
 # --------------------------------------------------------------------------------------------

@@ -270,6 +270,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_concurrent_writers_never_corrupt(tmp_path: Path) -> None:
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
@@ -480,6 +481,7 @@ _KEY_IN_A_PROCESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_keys_of_real_models_are_the_same_in_every_process() -> None:
     """Nothing that changes with the process (addresses, hashes of objects) enters the key."""
     processes = [  # two at once: each mostly waits for torch and transformers to import

@@ -485,6 +485,7 @@ def _largest(main_args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[s
     return document
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "next_token"])
 def test_a_language_model_without_labels_is_never_cheaper_than_its_real_loss(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from _ranks import run_ranks
 from torch import nn
@@ -17,6 +18,8 @@ from torch import nn
 import autobatch
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS
+
+pytestmark = pytest.mark.slow  # processes that talk to each other: seconds each
 
 CAPACITIES = ["6MiB", "5MiB"]  # heterogeneous ranks
 

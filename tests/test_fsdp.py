@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from _ranks import run_ranks
 from torch import nn
@@ -25,6 +26,8 @@ from autobatch._accounting import round_allocation
 from autobatch.testing import SimulatedGPU
 from autobatch.testing._inject import OOM_KINDS
 from autobatch.testing.models import TinyTransformer
+
+pytestmark = pytest.mark.slow  # processes that talk to each other: seconds each
 
 VOCAB, CLASSES, LENGTH = 50, 5, 8
 

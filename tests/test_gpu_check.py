@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 
 
@@ -22,6 +24,7 @@ def _table(text: str, heading: str) -> list[dict[str, str]]:
     return [dict(zip(header, row, strict=True)) for row in body]
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_passes_every_check() -> None:
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=300

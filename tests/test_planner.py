@@ -435,6 +435,7 @@ class _Recurrent(nn.Module):
         return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])

@@ -987,6 +987,7 @@ def _small_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 5))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("float64")
 def test_memory_returns_to_baseline_over_fifty_steps_with_ooms_and_grows() -> None:
     batch = _batches("mlp", count=1, size=64)[0]

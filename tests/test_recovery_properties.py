@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -64,6 +65,7 @@ loaders = st.tuples(
 schedules = st.lists(st.integers(1, 30), min_size=1, max_size=12)  # rows allowed per attempt
 
 
+@pytest.mark.slow
 @FAST
 @given(
     loader=loaders,
@@ -100,6 +102,7 @@ def test_shrink_processes_every_sample_once_in_order(
     assert seen == list(range(sum(sizes)))
 
 
+@pytest.mark.slow
 @FAST
 @given(
     loader=loaders,
@@ -174,6 +177,7 @@ def test_accumulate_steps_every_batch_once_with_all_its_samples(
     assert math.isclose(w.item(), expected, rel_tol=1e-12, abs_tol=1e-12)
 
 
+@pytest.mark.slow
 @FAST
 @given(
     batch=st.integers(2, 256),
