@@ -6,6 +6,7 @@ import dataclasses
 import random
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +40,27 @@ from autobatch._workload import (
 )
 
 logger = get_logger("planner")
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What a plan is asked for, checked: the step, the sizes allowed and the memory."""
+
+    model: nn.Module
+    sample: Sample
+    optimizer: OptimizerLike
+    started: float
+    loss_fn: LossFn | None
+    step_fn: StepFn | None
+    train: bool
+    device_type: str
+    block_bytes: int
+    min_batch: int
+    max_batch: int | None
+    multiple_of: int
+    capacity_bytes: int
+    overhead_bytes: int
+    headroom: float
 
 
 def _byte_option(value: int | float | str, name: str) -> int:
@@ -131,17 +153,12 @@ def plan_max_batch(
             f"overhead={overhead!r} ({format_bytes(overhead_bytes)}) leaves nothing of "
             f"capacity={capacity!r} ({format_bytes(capacity_bytes)}); lower the overhead"
         )
-    started = time.perf_counter()
-    steps: dict[str, Any] = {
-        "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "device_type": device_type,
-        "block_bytes": block_bytes,
-    }
-    grid: dict[str, Any] = {
-        "min_batch": min_batch, "max_batch": max_batch, "multiple_of": multiple_of,
-    }
-    sizes: dict[str, Any] = {
-        "capacity_bytes": capacity_bytes, "overhead_bytes": overhead_bytes, "headroom": headroom,
-    }
+    request = _Request(
+        model, sample, optimizer, started=time.perf_counter(), loss_fn=loss_fn, step_fn=step_fn,
+        train=train, device_type=device_type, block_bytes=block_bytes, min_batch=min_batch,
+        max_batch=max_batch, multiple_of=multiple_of, capacity_bytes=capacity_bytes,
+        overhead_bytes=overhead_bytes, headroom=headroom,
+    )
     recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
     if recurrent:  # their kernels on the CPU or GPU keep workspaces a meta run does not see
         why = (
@@ -150,8 +167,7 @@ def plan_max_batch(
         )
     else:
         try:
-            return _plan_on_meta(model, sample, optimizer, started=started, **steps, **grid,
-                                 **sizes)
+            return _plan_on_meta(request)
         except _StepError as error:
             why = str(error).split(". The planner runs shapes")[0]
             warnings.warn(
@@ -160,41 +176,22 @@ def plan_max_batch(
                 "step's operators do not change with the size)",
                 stacklevel=user_stacklevel(),
             )
-    return _plan_from_steps(model, sample, optimizer, why=why, started=started, **steps, **grid,
-                            **sizes)
+    return _plan_from_steps(request, why)
 
 
-def _plan_on_meta(
-    model: nn.Module,
-    sample: Sample,
-    optimizer: OptimizerLike,
-    *,
-    started: float,
-    loss_fn: LossFn | None,
-    step_fn: StepFn | None,
-    train: bool,
-    device_type: str,
-    block_bytes: int,
-    min_batch: int,
-    max_batch: int | None,
-    multiple_of: int,
-    capacity_bytes: int,
-    overhead_bytes: int,
-    headroom: float,
-) -> Plan:
+def _plan_on_meta(r: _Request) -> Plan:
     """The plan from steps on the meta device, at the sizes the search engine asks for."""
-    budget = capacity_bytes - overhead_bytes
-    started = time.perf_counter()
+    budget = r.capacity_bytes - r.overhead_bytes
     with _disable_current_modes():  # a simulator or fake mode around us must not see the copies
         setup = _MetaSetup(
-            model,
-            sample,
-            optimizer,
-            loss_fn=loss_fn,
-            step_fn=step_fn,
-            train=train,
-            device_type=device_type,
-            block_bytes=block_bytes,
+            r.model,
+            r.sample,
+            r.optimizer,
+            loss_fn=r.loss_fn,
+            step_fn=r.step_fn,
+            train=r.train,
+            device_type=r.device_type,
+            block_bytes=r.block_bytes,
         )
         peaks: dict[int, int] = {}
 
@@ -208,25 +205,25 @@ def _plan_on_meta(
 
         outcome = search(
             probe,
-            min_size=min_batch,
-            max_size=max_batch,
-            multiple_of=multiple_of,
+            min_size=r.min_batch,
+            max_size=r.max_batch,
+            multiple_of=r.multiple_of,
             capacity_bytes=budget,
         )
-        first = -(-min_batch // multiple_of) * multiple_of
+        first = -(-r.min_batch // r.multiple_of) * r.multiple_of
         largest = outcome.largest_fit
         if largest is None:
             raise BatchSizeError(
-                f"even the smallest batch ({min_batch}) does not fit: the plan needs "
-                f"{format_bytes(peaks[first] + overhead_bytes)} at batch {first} "
-                f"(overhead {format_bytes(overhead_bytes)} included) of "
-                f"{format_bytes(capacity_bytes)}. Reduce the model or the input size, use mixed "
+                f"even the smallest batch ({r.min_batch}) does not fit: the plan needs "
+                f"{format_bytes(peaks[first] + r.overhead_bytes)} at batch {first} "
+                f"(overhead {format_bytes(r.overhead_bytes)} included) of "
+                f"{format_bytes(r.capacity_bytes)}. Reduce the model or the input size, use mixed "
                 "precision, gradient checkpointing or a sharded optimizer, or a larger device",
-                batch_size=min_batch,
-                needed_bytes=peaks[first] + overhead_bytes,
-                capacity_bytes=capacity_bytes,
+                batch_size=r.min_batch,
+                needed_bytes=peaks[first] + r.overhead_bytes,
+                capacity_bytes=r.capacity_bytes,
             )
-        half = max(first, largest // 2 // multiple_of * multiple_of)
+        half = max(first, largest // 2 // r.multiple_of * r.multiple_of)
         top = largest if largest > half else outcome.smallest_fail
         if top is not None and half not in peaks:
             probe(half)
@@ -236,12 +233,12 @@ def _plan_on_meta(
         # capacity, the size's own planned peak checked.
         batch_size = recommend(
             outcome,
-            capacity_bytes=capacity_bytes,
-            headroom=headroom,
-            multiple_of=multiple_of,
-            min_size=min_batch,
+            capacity_bytes=r.capacity_bytes,
+            headroom=r.headroom,
+            multiple_of=r.multiple_of,
+            min_size=r.min_batch,
             probe=probe,
-            reserved_bytes=overhead_bytes,
+            reserved_bytes=r.overhead_bytes,
         )
     extra = []
     if setup.mode.attention:
@@ -250,12 +247,12 @@ def _plan_on_meta(
             "memory-efficient) on the device need less, so the plan is an upper bound there"
         )
     return _planned(
-        [*setup.notes], extra, train=train, counts_optimizer=setup.optimizer is not None
-        or step_fn is not None, started=started, how="",
+        [*setup.notes], extra, train=r.train, counts_optimizer=setup.optimizer is not None
+        or r.step_fn is not None, started=r.started, how="",
         batch_size=batch_size, max_batch_size=largest, memory_model=memory_model,
-        points=tuple(sorted(peaks.items())), capacity_bytes=capacity_bytes,
-        overhead_bytes=overhead_bytes, breakdown=breakdown, headroom=float(headroom),
-        device_type=device_type,
+        points=tuple(sorted(peaks.items())), capacity_bytes=r.capacity_bytes,
+        overhead_bytes=r.overhead_bytes, breakdown=breakdown, headroom=float(r.headroom),
+        device_type=r.device_type,
     )
 
 
@@ -315,32 +312,14 @@ def _extrapolated(
     return largest, line
 
 
-def _plan_from_steps(
-    model: nn.Module,
-    sample: Sample,
-    optimizer: OptimizerLike,
-    *,
-    why: str,
-    started: float,
-    loss_fn: LossFn | None,
-    step_fn: StepFn | None,
-    train: bool,
-    device_type: str,
-    block_bytes: int,
-    min_batch: int,
-    max_batch: int | None,
-    multiple_of: int,
-    capacity_bytes: int,
-    overhead_bytes: int,
-    headroom: float,
-) -> Plan:
+def _plan_from_steps(r: _Request, why: str) -> Plan:
     """The plan from two or three small real steps on CPU copies of the model and optimizer,
     counted with the same accounting, each operator's peak extrapolated on its own line."""
-    budget = capacity_bytes - overhead_bytes
-    step = multiple_of
-    first = -(-min_batch // step) * step
-    last = None if max_batch is None else max_batch // step * step
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    budget = r.capacity_bytes - r.overhead_bytes
+    step = r.multiple_of
+    first = -(-r.min_batch // step) * step
+    last = None if r.max_batch is None else r.max_batch // step * step
+    weights = sum(t.numel() * t.element_size() for t in [*r.model.parameters(), *r.model.buffers()])
     host = CpuMemory(torch.device("cpu")).free_bytes()
     if 4 * weights > host // 2:  # the copy, its gradients and an optimizer's two moments
         raise AutobatchError(
@@ -353,8 +332,8 @@ def _plan_from_steps(
         torch_rng, python_rng = save_rng_states(), random.getstate()
         try:
             setup = _MetaSetup(
-                model, sample, optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train,
-                device_type=device_type, block_bytes=block_bytes, real=True,
+                r.model, r.sample, r.optimizer, loss_fn=r.loss_fn, step_fn=r.step_fn, train=r.train,
+                device_type=r.device_type, block_bytes=r.block_bytes, real=True,
             )
             trials: list[Trial] = []
 
@@ -371,14 +350,14 @@ def _plan_from_steps(
                 return trial
 
             if budget <= _HOST_STEP_BYTES:  # every step fits on this host: measure them all
-                exact = search(measure, min_size=min_batch, max_size=max_batch,
+                exact = search(measure, min_size=r.min_batch, max_size=r.max_batch,
                                multiple_of=step, capacity_bytes=budget)
                 largest = 0 if exact.largest_fit is None else exact.largest_fit
                 line = exact.model
                 reach = "sizes measured up to the answer and the one above it"
             else:
                 largest, line = _extrapolated(measure, trials, budget, first, last, step,
-                                              block_bytes)
+                                              r.block_bytes)
                 reach = (
                     f"sizes above {max(t.size for t in trials)} extrapolated, each operator's "
                     "peak on its own line (a kernel whose memory changes in steps may make it "
@@ -395,22 +374,22 @@ def _plan_from_steps(
     if last is not None:
         largest = min(largest, last)
     if largest < first:
-        needed = peaks.get(first, min(peaks.values())) + overhead_bytes
+        needed = peaks.get(first, min(peaks.values())) + r.overhead_bytes
         raise BatchSizeError(
-            f"even the smallest batch ({min_batch}) does not fit: measured on a CPU copy, the "
+            f"even the smallest batch ({r.min_batch}) does not fit: measured on a CPU copy, the "
             f"step needs about {format_bytes(needed)} (overhead "
-            f"{format_bytes(overhead_bytes)} included) of {format_bytes(capacity_bytes)}. Reduce "
+            f"{format_bytes(r.overhead_bytes)} included) of {format_bytes(r.capacity_bytes)}. Reduce "
             "the model or the input size, use mixed precision, gradient checkpointing or a "
             "sharded optimizer, or a larger device",
-            batch_size=min_batch,
+            batch_size=r.min_batch,
             needed_bytes=needed,
-            capacity_bytes=capacity_bytes,
+            capacity_bytes=r.capacity_bytes,
         )
     predicted = peaks.get(largest, int(line.predict(largest)) if line is not None else peaks[biggest])
     outcome = SearchOutcome(largest, largest + step, tuple(t for t in trials if t.fits), line)
     batch_size = recommend(
-        outcome, capacity_bytes=capacity_bytes, headroom=headroom, multiple_of=step,
-        min_size=min_batch, reserved_bytes=overhead_bytes,
+        outcome, capacity_bytes=r.capacity_bytes, headroom=r.headroom, multiple_of=step,
+        min_size=r.min_batch, reserved_bytes=r.overhead_bytes,
     )
     scale = largest / biggest
     fixed = (
@@ -427,16 +406,16 @@ def _plan_from_steps(
         *setup.notes,
     ]
     extra = []
-    if device_type != "cpu":
+    if r.device_type != "cpu":
         extra.append(
-            f"measured with the CPU's kernels: on {device_type} some kernels (cuDNN recurrent "
+            f"measured with the CPU's kernels: on {r.device_type} some kernels (cuDNN recurrent "
             "layers, fused attention) keep other workspaces; check with find_max_batch there"
         )
     return _planned(
-        notes, extra, train=train, counts_optimizer=setup.optimizer is not None
-        or step_fn is not None, started=started, how=" from real steps",
+        notes, extra, train=r.train, counts_optimizer=setup.optimizer is not None
+        or r.step_fn is not None, started=r.started, how=" from real steps",
         batch_size=batch_size, max_batch_size=largest, memory_model=line,
-        points=tuple(sorted(peaks.items())), capacity_bytes=capacity_bytes,
-        overhead_bytes=overhead_bytes, breakdown=breakdown, headroom=float(headroom),
-        device_type=device_type, method="steps",
+        points=tuple(sorted(peaks.items())), capacity_bytes=r.capacity_bytes,
+        overhead_bytes=r.overhead_bytes, breakdown=breakdown, headroom=float(r.headroom),
+        device_type=r.device_type, method="steps",
     )
