@@ -69,6 +69,13 @@ class DeviceMemory(ABC):
         """
         return max(self.capacity_bytes() - self.allocated_bytes(), 0)
 
+    @property
+    def caches(self) -> bool:
+        """Whether a caching allocator stands between tensors and the device, and reports what
+        it holds (:meth:`reserved_bytes`, :meth:`memory_stats`): memory then runs out when its
+        segments do, which fragmentation can make happen before live tensors fill the device."""
+        return False
+
     def reserved_bytes(self) -> int | None:
         """Bytes the caching allocator holds from the device, cached blocks included (``None``
         where the backend cannot tell)."""
@@ -148,6 +155,10 @@ class CudaMemory(DeviceMemory):
             reachable = min(reachable, int(fraction(self.device) * total) - allocated)
         return int(max(reachable, 0))
 
+    @property
+    def caches(self) -> bool:
+        return True
+
     def reserved_bytes(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))
 
@@ -207,6 +218,10 @@ class XpuMemory(DeviceMemory):
 
     # torch.xpu has a caching allocator with CUDA's statistics since torch 2.5; older builds
     # lack these functions, and the backend then reports nothing.
+    @property
+    def caches(self) -> bool:
+        return hasattr(torch.xpu, "max_memory_reserved")
+
     def reserved_bytes(self) -> int | None:
         reserved = getattr(torch.xpu, "memory_reserved", None)
         return None if reserved is None else int(reserved(self.device))

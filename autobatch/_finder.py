@@ -206,7 +206,10 @@ def _measured_search(
             probe=probe,
         )
     if headroom and memory.has_statistics:
-        measured = [t.peak_bytes for t in runner.records if t.size == recommended and t.fits]
+        measured = [
+            t.peak_bytes if t.reserved_bytes is None else t.reserved_bytes
+            for t in runner.records if t.size == recommended and t.fits
+        ]
         ceiling = math.floor((1 - headroom) * budget)
         if measured and measured[-1] is not None and measured[-1] > ceiling:
             text = (

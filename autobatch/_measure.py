@@ -57,6 +57,10 @@ class PeakKeeping(DeviceMemory):
     def free_bytes(self) -> int:
         return self.inner.free_bytes()
 
+    @property
+    def caches(self) -> bool:
+        return self.inner.caches
+
     def reserved_bytes(self) -> int | None:
         return self.inner.reserved_bytes()
 
@@ -136,12 +140,20 @@ class _StepPeaks:
         self._stepping = False
         self._hooks: list[Any] = []
         self._mode: _OperatorMode | None = None
+        #: The peak of the caching allocator's reserved memory over every segment (``None``:
+        #: the backend has no caching allocator, or reports none).
+        self.reserved: int | None = None
+        self._caches = self.statistics and memory.caches
 
     def close_segment(self, restart: bool = True) -> None:
         """Ends the current segment: its peak becomes a part, and (``restart``) a new
         measurement starts."""
         memory = self.memory
         peak = memory.peak_bytes()
+        if self._caches:
+            reserved = memory.peak_reserved_bytes()
+            if reserved is not None and (self.reserved is None or reserved > self.reserved):
+                self.reserved = reserved
         if restart:
             memory.reset_peak()
         if self.per_operator:

@@ -551,6 +551,10 @@ class SimulatedMemory(_backends.DeviceMemory):
     def free_bytes(self) -> int:
         return self.gpu.free_bytes
 
+    @property
+    def caches(self) -> bool:
+        return self.gpu.allocator == "caching"
+
     def reserved_bytes(self) -> int:
         return self.gpu.reserved_bytes
 
