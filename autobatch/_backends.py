@@ -91,6 +91,13 @@ class DeviceMemory(ABC):
         backend keeps none."""
         return None
 
+    def alloc_retries(self) -> int | None:
+        """How often the caching allocator released its cache and retried an allocation
+        (``num_alloc_retries``), read as cheaply as the backend allows; ``None`` where the
+        backend keeps no such count. A count that rises step after step is thrashing: every
+        step frees the cache and rebuilds it, slowly, and an OOM is near."""
+        return None
+
     def uncounted_bytes(self, objects: Iterable[Any]) -> int:
         """Bytes of the tensors held by ``objects`` (modules, optimizers) on this device that
         the backend's accounting leaves out (a simulated GPU entered after they were made and
@@ -168,6 +175,11 @@ class CudaMemory(DeviceMemory):
     def memory_stats(self) -> dict[str, int]:
         return dict(torch.cuda.memory_stats(self.device))
 
+    def alloc_retries(self) -> int:
+        # The flat dict is built from the nested one: read the nested one, once.
+        stats = torch.cuda.memory.memory_stats_as_nested_dict(self.device)
+        return int(stats.get("num_alloc_retries", 0))
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -233,6 +245,10 @@ class XpuMemory(DeviceMemory):
     def memory_stats(self) -> dict[str, int] | None:
         stats = getattr(torch.xpu, "memory_stats", None)
         return None if stats is None else dict(stats(self.device))
+
+    def alloc_retries(self) -> int | None:
+        stats = self.memory_stats()
+        return None if stats is None else int(stats.get("num_alloc_retries", 0))
 
     def synchronize(self) -> None:
         torch.xpu.synchronize(self.device)

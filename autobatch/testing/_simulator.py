@@ -564,6 +564,9 @@ class SimulatedMemory(_backends.DeviceMemory):
     def memory_stats(self) -> dict[str, int]:
         return self.gpu.memory_stats()
 
+    def alloc_retries(self) -> int:
+        return self.gpu.num_alloc_retries
+
     def empty_cache(self) -> None:
         self.gpu.empty_cache()
 
