@@ -156,11 +156,13 @@ class _SteadyState:
     a later step can still need a new segment (the cache is cut differently), and it is then
     that memory runs out. A step whose reserved peak stays within the earlier steps' is the
     steady state, and the trial stops there, or after :data:`MAX_STEADY_STEPS` more steps.
-    Without a caching allocator (``memory`` is ``None``) it runs nothing.
+    Without a caching allocator (``memory`` is ``None``) it runs nothing. Not ``adaptive``: one
+    more step, whatever it reserves (ranks that must run the same steps cannot each decide).
     """
 
-    def __init__(self, memory: DeviceMemory | None) -> None:
+    def __init__(self, memory: DeviceMemory | None, adaptive: bool = True) -> None:
         self.memory = memory
+        self.limit = MAX_STEADY_STEPS if adaptive else 1
         self.extra = 0  # steps run here
         self.allocated = 0  # their highest allocated peak
         self.reserved: int | None = None  # the highest reserved peak of every step
@@ -171,16 +173,17 @@ class _SteadyState:
         self.reserved = reserved
         if memory is None or reserved is None:
             return
-        while self.extra < MAX_STEADY_STEPS:
+        while self.extra < self.limit:
             memory.reset_peak()
             step()
             memory.synchronize()
             self.extra += 1
             self.allocated = max(self.allocated, memory.peak_bytes())
             peak = memory.peak_reserved_bytes()
-            if peak is None or peak <= reserved:
+            if peak is not None and peak > reserved:
+                self.reserved = reserved = peak
+            elif self.limit > 1:
                 return  # steady: this step found room in what the earlier ones reserved
-            self.reserved = reserved = peak
 
 
 class TrialRunner:
@@ -193,6 +196,8 @@ class TrialRunner:
     Under a caching allocator (CUDA, the caching simulator) every trial starts from an empty
     cache and runs until its reserved memory stops growing (see :class:`_SteadyState`): the
     trial's ``reserved_bytes`` is that steady state's peak, and its ``steps`` how many ran.
+    Ranks that search together pass ``adaptive=False``: every trial then runs exactly one step
+    more, so that all of them run the same steps.
     With ``per_operator`` (and memory statistics) the outcome's parts are the peaks of every
     operator the trial dispatched (see :class:`_StepPeaks`); its phases, the peaks outside and
     inside ``optimizer.step``, are measured either way.
@@ -208,6 +213,7 @@ class TrialRunner:
         cleanup: Callable[[], None] = lambda: None,
         on_trial: Callable[[Trial], None] | None = None,
         per_operator: bool = True,
+        adaptive: bool = True,
     ) -> None:
         self.make_batch = make_batch
         self.step = step
@@ -216,6 +222,7 @@ class TrialRunner:
         self.cleanup = cleanup
         self.on_trial = on_trial
         self.per_operator = per_operator
+        self.adaptive = adaptive
         self.records: list[Trial] = []
         self._storage_trials: list[Any] = []  # (size, base, events, peak, shape) of fits
 
@@ -239,7 +246,7 @@ class TrialRunner:
             self.memory.empty_cache()
         self.memory.reset_peak()
         peaks = _StepPeaks(self.memory, per_operator=self.per_operator)
-        steady = _SteadyState(self.memory if caches else None)
+        steady = _SteadyState(self.memory if caches else None, self.adaptive)
         start = time.perf_counter()
         error = self._attempt(size, peaks, steady)
         seconds = time.perf_counter() - start
