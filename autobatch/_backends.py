@@ -69,6 +69,13 @@ class DeviceMemory(ABC):
         """
         return max(self.capacity_bytes() - self.allocated_bytes(), 0)
 
+    @property
+    def caches(self) -> bool:
+        """Whether a caching allocator stands between tensors and the device, and reports what
+        it holds (:meth:`reserved_bytes`, :meth:`memory_stats`): memory then runs out when its
+        segments do, which fragmentation can make happen before live tensors fill the device."""
+        return False
+
     def reserved_bytes(self) -> int | None:
         """Bytes the caching allocator holds from the device, cached blocks included (``None``
         where the backend cannot tell)."""
@@ -82,6 +89,13 @@ class DeviceMemory(ABC):
         """The caching allocator's statistics under ``torch.cuda.memory_stats()``'s key names
         (``"reserved_bytes.all.current"``, ``"num_alloc_retries"``, ...); ``None`` where the
         backend keeps none."""
+        return None
+
+    def alloc_retries(self) -> int | None:
+        """How often the caching allocator released its cache and retried an allocation
+        (``num_alloc_retries``), read as cheaply as the backend allows; ``None`` where the
+        backend keeps no such count. A count that rises step after step is thrashing: every
+        step frees the cache and rebuilds it, slowly, and an OOM is near."""
         return None
 
     def uncounted_bytes(self, objects: Iterable[Any]) -> int:
@@ -148,6 +162,10 @@ class CudaMemory(DeviceMemory):
             reachable = min(reachable, int(fraction(self.device) * total) - allocated)
         return int(max(reachable, 0))
 
+    @property
+    def caches(self) -> bool:
+        return True
+
     def reserved_bytes(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))
 
@@ -156,6 +174,11 @@ class CudaMemory(DeviceMemory):
 
     def memory_stats(self) -> dict[str, int]:
         return dict(torch.cuda.memory_stats(self.device))
+
+    def alloc_retries(self) -> int:
+        # The flat dict is built from the nested one: read the nested one, once.
+        stats = torch.cuda.memory.memory_stats_as_nested_dict(self.device)
+        return int(stats.get("num_alloc_retries", 0))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -207,6 +230,10 @@ class XpuMemory(DeviceMemory):
 
     # torch.xpu has a caching allocator with CUDA's statistics since torch 2.5; older builds
     # lack these functions, and the backend then reports nothing.
+    @property
+    def caches(self) -> bool:
+        return hasattr(torch.xpu, "max_memory_reserved")
+
     def reserved_bytes(self) -> int | None:
         reserved = getattr(torch.xpu, "memory_reserved", None)
         return None if reserved is None else int(reserved(self.device))
@@ -218,6 +245,10 @@ class XpuMemory(DeviceMemory):
     def memory_stats(self) -> dict[str, int] | None:
         stats = getattr(torch.xpu, "memory_stats", None)
         return None if stats is None else dict(stats(self.device))
+
+    def alloc_retries(self) -> int | None:
+        stats = self.memory_stats()
+        return None if stats is None else int(stats.get("num_alloc_retries", 0))
 
     def synchronize(self) -> None:
         torch.xpu.synchronize(self.device)

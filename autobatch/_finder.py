@@ -191,6 +191,7 @@ def _measured_search(
             make_batch, work.step, work.memory, steps_per_trial=steps_per_trial,
             cleanup=work.drop_gradients, per_operator=per_operator_possible(work.model),
             on_trial=on_trial,
+            adaptive=not sync,  # ranks in lockstep run the same steps: one more, always
         )
         probe = _distributed.trials_in_lockstep(runner, model, sync=sync)  # (FSDP2)
         if work.optimizer is not None:
@@ -218,7 +219,10 @@ def _measured_search(
             probe=probe,
         )
     if headroom and memory.has_statistics:
-        measured = [t.peak_bytes for t in runner.records if t.size == recommended and t.fits]
+        measured = [
+            t.peak_bytes if t.reserved_bytes is None else t.reserved_bytes
+            for t in runner.records if t.size == recommended and t.fits
+        ]
         ceiling = math.floor((1 - headroom) * budget)
         if measured and measured[-1] is not None and measured[-1] > ceiling:
             text = (
@@ -276,12 +280,13 @@ def _agreeing(runner: Callable[[int], Trial]) -> Callable[[int], Trial]:
         try:
             mine = runner(size)
         except Exception:
-            _distributed.all_max([1, 1, -1, 0, 0, 0, 0])
+            _distributed.all_max([1, 1, -1, -1, 0, 0, 0, 0])
             raise
         peak_mine = -1 if mine.peak_bytes is None else mine.peak_bytes
+        reserved_mine = -1 if mine.reserved_bytes is None else mine.reserved_bytes
         counts = [len(mine.parts), -len(mine.parts), len(mine.phases), -len(mine.phases)]
-        crashed, failed, peak, *spans = _distributed.all_max(
-            [0, int(not mine.fits), peak_mine, *counts]
+        crashed, failed, peak, reserved, *spans = _distributed.all_max(
+            [0, int(not mine.fits), peak_mine, reserved_mine, *counts]
         )
         if crashed:
             raise AutobatchError(
@@ -291,7 +296,7 @@ def _agreeing(runner: Callable[[int], Trial]) -> Callable[[int], Trial]:
         if failed:
             error = mine.error if not mine.fits else "oom on another rank"
             return dataclasses.replace(mine, fits=False, peak_bytes=None, error=error,
-                                       parts=(), phases=(), curve=None)
+                                       parts=(), phases=(), curve=None, reserved_bytes=None)
         # (most, -fewest) per vector: every rank has as many exactly when the two agree
         parts = mine.parts if spans[0] == -spans[1] else ()
         phases = mine.phases if spans[2] == -spans[3] else ()
@@ -300,7 +305,7 @@ def _agreeing(runner: Callable[[int], Trial]) -> Callable[[int], Trial]:
             parts, phases = tuple(agreed[: len(parts)]), tuple(agreed[len(parts) :])
         return dataclasses.replace(
             mine, fits=True, peak_bytes=None if peak < 0 else peak, parts=parts, phases=phases,
-            curve=None,
+            curve=None, reserved_bytes=None if reserved < 0 else reserved,
         )
 
     return probe

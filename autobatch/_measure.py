@@ -31,7 +31,10 @@ class PeakKeeping(DeviceMemory):
     and :meth:`restore_peak` puts back the peak the device really reached since the user's own
     last reset: the highest of those readings, reached again by a transient allocation of the
     difference (which the device's allocator rounds as it does any allocation) when the counter
-    is lower. Everything else is the wrapped backend's.
+    is lower. Not under a caching allocator: there the transient allocation would reserve a
+    segment of its own, or make the allocator release its cache and retry (thrashing the very
+    cache the steps run in), so the counter is left as the last measurement put it. Everything
+    else is the wrapped backend's.
     """
 
     def __init__(self, memory: DeviceMemory) -> None:
@@ -57,6 +60,10 @@ class PeakKeeping(DeviceMemory):
     def free_bytes(self) -> int:
         return self.inner.free_bytes()
 
+    @property
+    def caches(self) -> bool:
+        return self.inner.caches
+
     def reserved_bytes(self) -> int | None:
         return self.inner.reserved_bytes()
 
@@ -65,6 +72,9 @@ class PeakKeeping(DeviceMemory):
 
     def memory_stats(self) -> dict[str, int] | None:
         return self.inner.memory_stats()
+
+    def alloc_retries(self) -> int | None:
+        return self.inner.alloc_retries()
 
     def uncounted_bytes(self, objects: Iterable[Any]) -> int:
         return self.inner.uncounted_bytes(objects)
@@ -81,7 +91,7 @@ class PeakKeeping(DeviceMemory):
 
     def restore_peak(self) -> None:
         """Raise the device's peak counter back to the highest peak seen (see the class)."""
-        if not self.has_statistics:
+        if not self.has_statistics or self.inner.caches:
             return
         if self.inner.peak_bytes() >= self.highest:
             return
@@ -136,12 +146,20 @@ class _StepPeaks:
         self._stepping = False
         self._hooks: list[Any] = []
         self._mode: _OperatorMode | None = None
+        #: The peak of the caching allocator's reserved memory over every segment (``None``:
+        #: the backend has no caching allocator, or reports none).
+        self.reserved: int | None = None
+        self._caches = self.statistics and memory.caches
 
     def close_segment(self, restart: bool = True) -> None:
         """Ends the current segment: its peak becomes a part, and (``restart``) a new
         measurement starts."""
         memory = self.memory
         peak = memory.peak_bytes()
+        if self._caches:
+            reserved = memory.peak_reserved_bytes()
+            if reserved is not None and (self.reserved is None or reserved > self.reserved):
+                self.reserved = reserved
         if restart:
             memory.reset_peak()
         if self.per_operator:

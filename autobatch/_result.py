@@ -26,7 +26,9 @@ class SearchResult:
     total, less what other processes hold); ``memory_model`` is the fitted
     ``peak(n) = fixed + per_sample * n``
     when the device keeps statistics. ``optimizer_counted`` is False when no optimizer was given
-    (forward and backward only).
+    (forward and backward only). Under a caching allocator each trial also reports its reserved
+    peak in its steady state; :attr:`peak_bytes`, :attr:`peak_reserved_bytes` and
+    :attr:`fragmentation` give both peaks at ``batch_size``.
     """
 
     batch_size: int
@@ -47,6 +49,31 @@ class SearchResult:
         return sum(not t.fits for t in self.trials)
 
     @property
+    def peak_bytes(self) -> int | None:
+        """The allocated peak (live tensors) measured at ``batch_size`` (``None``: unmeasured)."""
+        trial = self._trial_at(self.batch_size)
+        return None if trial is None else trial.peak_bytes
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """The caching allocator's reserved peak measured at ``batch_size``, in the trial's
+        steady state (``None`` where the device reports none): what really runs out."""
+        trial = self._trial_at(self.batch_size)
+        return None if trial is None else trial.reserved_bytes
+
+    @property
+    def fragmentation(self) -> float | None:
+        """Reserved bytes per allocated byte at ``batch_size``'s peak (``None``: not both known)."""
+        peak, reserved = self.peak_bytes, self.peak_reserved_bytes
+        if not peak or reserved is None:
+            return None
+        return reserved / peak
+
+    def _trial_at(self, size: int) -> Trial | None:
+        fitting = [t for t in self.trials if t.fits and t.size == size]
+        return fitting[-1] if fitting else None
+
+    @property
     def samples_processed(self) -> int:
         """Rows run through the model over all trials (a measure of search cost)."""
         return sum(t.size for t in self.trials)
@@ -58,6 +85,12 @@ class SearchResult:
             f"headroom={self.headroom:g}, trials={len(self.trials)}, oom_trials={self.oom_trials})"
         ]
         lines += [f"  {trial}" for trial in self.trials]
+        if self.peak_reserved_bytes is not None and self.peak_bytes is not None:
+            lines.append(
+                f"  at batch {self.batch_size}: {format_bytes(self.peak_bytes)} allocated, "
+                f"{format_bytes(self.peak_reserved_bytes)} reserved "
+                f"(fragmentation {self.fragmentation:.3f})"
+            )
         if self.memory_model is not None:
             model = self.memory_model
             lines.append(
@@ -102,6 +135,8 @@ def result_to_dict(result: SearchResult) -> dict[str, Any]:
                 "peak_bytes": t.peak_bytes,
                 "seconds": t.seconds,
                 "error": t.error,
+                "reserved_bytes": t.reserved_bytes,
+                "steps": t.steps,
             }
             for t in result.trials
         ],
@@ -149,6 +184,11 @@ def result_from_dict(data: Mapping[str, Any]) -> SearchResult:
             if peak is not None and peak < 0:
                 raise ValueError(f"a trial's peak is {peak}")
             error = _field(trial, "error", (str, type(None)))
+            # (results stored before trials measured reserved memory have neither field)
+            reserved = None
+            if trial.get("reserved_bytes") is not None:
+                reserved = _count(trial, "reserved_bytes", minimum=0)
+            steps = _count(trial, "steps") if "steps" in trial else 1
             trials.append(
                 Trial(
                     size=_count(trial, "size"),
@@ -156,6 +196,8 @@ def result_from_dict(data: Mapping[str, Any]) -> SearchResult:
                     peak_bytes=peak,
                     seconds=_finite(trial, "seconds", low=0.0, high=math.inf),
                     error=error,
+                    reserved_bytes=reserved,
+                    steps=steps,
                 )
             )
         batch_size = _count(data, "batch_size")

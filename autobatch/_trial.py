@@ -145,6 +145,47 @@ def attempt(run: Callable[[], None]) -> str | None:
     return None
 
 
+#: The most steps a trial adds to ``steps_per_trial`` while the reserved memory still grows.
+MAX_STEADY_STEPS = 3
+
+
+class _SteadyState:
+    """Further steps of a trial, while the caching allocator's reserved memory still grows.
+
+    A caching allocator reserves segments in the first steps and serves later steps from them;
+    a later step can still need a new segment (the cache is cut differently), and it is then
+    that memory runs out. A step whose reserved peak stays within the earlier steps' is the
+    steady state, and the trial stops there, or after :data:`MAX_STEADY_STEPS` more steps.
+    Without a caching allocator (``memory`` is ``None``) it runs nothing. Not ``adaptive``: one
+    more step, whatever it reserves (ranks that must run the same steps cannot each decide).
+    """
+
+    def __init__(self, memory: DeviceMemory | None, adaptive: bool = True) -> None:
+        self.memory = memory
+        self.limit = MAX_STEADY_STEPS if adaptive else 1
+        self.extra = 0  # steps run here
+        self.allocated = 0  # their highest allocated peak
+        self.reserved: int | None = None  # the highest reserved peak of every step
+
+    def run(self, step: Callable[[], Any], reserved: int | None) -> None:
+        """Step until the reserved peak stops growing; ``reserved``: the first steps' peak."""
+        memory = self.memory
+        self.reserved = reserved
+        if memory is None or reserved is None:
+            return
+        while self.extra < self.limit:
+            memory.reset_peak()
+            step()
+            memory.synchronize()
+            self.extra += 1
+            self.allocated = max(self.allocated, memory.peak_bytes())
+            peak = memory.peak_reserved_bytes()
+            if peak is not None and peak > reserved:
+                self.reserved = reserved = peak
+            elif self.limit > 1:
+                return  # steady: this step found room in what the earlier ones reserved
+
+
 class TrialRunner:
     """Runs the step at a size and reports a :class:`~autobatch._search.Trial`.
 
@@ -152,6 +193,11 @@ class TrialRunner:
     starts from the same state: ``cleanup`` (dropping the gradients) runs first, so no part of
     a trial's memory depends on what the trial before it left. After a failure the runner
     leaves the ``except`` block, cleans up and frees cached memory before the next trial.
+    Under a caching allocator (CUDA, the caching simulator) every trial starts from an empty
+    cache and runs until its reserved memory stops growing (see :class:`_SteadyState`): the
+    trial's ``reserved_bytes`` is that steady state's peak, and its ``steps`` how many ran.
+    Ranks that search together pass ``adaptive=False``: every trial then runs exactly one step
+    more, so that all of them run the same steps.
     With ``per_operator`` (and memory statistics) the outcome's parts are the peaks of every
     operator the trial dispatched (see :class:`_StepPeaks`); its phases, the peaks outside and
     inside ``optimizer.step``, are measured either way.
@@ -167,6 +213,7 @@ class TrialRunner:
         cleanup: Callable[[], None] = lambda: None,
         on_trial: Callable[[Trial], None] | None = None,
         per_operator: bool = True,
+        adaptive: bool = True,
     ) -> None:
         self.make_batch = make_batch
         self.step = step
@@ -175,10 +222,11 @@ class TrialRunner:
         self.cleanup = cleanup
         self.on_trial = on_trial
         self.per_operator = per_operator
+        self.adaptive = adaptive
         self.records: list[Trial] = []
         self._storage_trials: list[Any] = []  # (size, base, events, peak, shape) of fits
 
-    def _attempt(self, size: int, peaks: _StepPeaks) -> str | None:
+    def _attempt(self, size: int, peaks: _StepPeaks, steady: _SteadyState) -> str | None:
         """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
 
         def run() -> None:
@@ -187,18 +235,24 @@ class TrialRunner:
                 for _ in range(self.steps_per_trial):
                     self.step(batch)
                 self.memory.synchronize()
+            steady.run(lambda: self.step(batch), peaks.reserved)
 
         return attempt(run)
 
     def __call__(self, size: int) -> Trial:
         self.cleanup()
+        caches = self.memory.has_statistics and self.memory.caches
+        if caches:  # every trial starts from an empty cache, as training after the search does
+            self.memory.empty_cache()
         self.memory.reset_peak()
         peaks = _StepPeaks(self.memory, per_operator=self.per_operator)
+        steady = _SteadyState(self.memory if caches else None, self.adaptive)
         start = time.perf_counter()
-        error = self._attempt(size, peaks)
+        error = self._attempt(size, peaks, steady)
         seconds = time.perf_counter() - start
         events = None if peaks.storages is None else list(peaks.storages.events)
         peak: int | None = None
+        reserved: int | None = None
         parts: tuple[int, ...] = ()
         phases: tuple[int, ...] = ()
         curve: Callable[[int], int] | None = None
@@ -206,10 +260,16 @@ class TrialRunner:
             peak, parts, phases = peaks.peak, peaks.parts(), peaks.phases()
             if events is not None and peaks.storages is not None and peaks.storages.exact:
                 curve = self._storage_curve(size, peaks.base, events, peak)
+            if steady.allocated > peak:  # a later step peaked higher: the parts miss it
+                peak, parts, phases, curve = steady.allocated, (), (), None
+            reserved = steady.reserved
         else:  # out of the except block: the failed attempt's tensors are gone
             self.cleanup()
             free_memory(self.memory.device)
-        record = Trial(size, error is None, peak, seconds, error, parts, phases, curve)
+        record = Trial(
+            size, error is None, peak, seconds, error, parts, phases, curve,
+            reserved_bytes=reserved, steps=self.steps_per_trial + steady.extra,
+        )
         self.records.append(record)
         logger.info("%s", record)
         if self.on_trial is not None:

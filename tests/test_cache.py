@@ -332,6 +332,28 @@ def test_search_result_round_trips_through_json(searched: Any) -> None:
     assert data["trials"][0]["size"] == result.trials[0].size
 
 
+def test_reserved_peaks_round_trip_and_older_entries_without_them_still_read() -> None:
+    model, sample = _small()
+    with SimulatedGPU("64MiB", allocator="caching") as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, sample, torch.optim.SGD, max_batch=64)
+    assert all(t.reserved_bytes is not None for t in result.trials if t.fits)
+    data = json.loads(json.dumps(result_to_dict(result)))
+    again = result_from_dict(data)
+    assert again == result
+    assert [t.steps for t in again.trials] == [t.steps for t in result.trials]
+    assert again.peak_reserved_bytes == result.peak_reserved_bytes is not None
+    for trial in data["trials"]:  # as stored before trials measured reserved memory
+        del trial["reserved_bytes"], trial["steps"]
+    old = result_from_dict(data)
+    assert all(t.reserved_bytes is None and t.steps == 1 for t in old.trials)
+    assert old.peak_reserved_bytes is None
+    assert old.fragmentation is None
+    data["trials"][0]["reserved_bytes"] = -1
+    with pytest.raises(ValueError, match="not a stored search result"):
+        result_from_dict(data)
+
+
 def test_damaged_result_is_refused(searched: Any) -> None:
     data = result_to_dict(searched)
     del data["trials"]

@@ -762,3 +762,39 @@ def test_tiny_per_sample_models_are_exact_within_six_trials(target: int) -> None
     assert not fits[best + 1]  # and B* + 1 ran out
     assert best >= target
     assert len(result.trials) <= 6, result
+
+
+# Under CUDA's caching allocator: what runs out is reserved memory ------------------------
+
+#: Capacities of a few 20 MiB segments, small enough for quick searches.
+CACHING_CAPACITY = {"mlp": 32 << 20, "conv": 40 << 20, "transformer": 40 << 20}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_under_the_caching_allocator_the_recommended_size_trains_on(name: str) -> None:
+    torch.manual_seed(0)
+    workload = WORKLOADS[name]
+    capacity = CACHING_CAPACITY[name]
+    with SimulatedGPU(capacity, allocator="caching") as gpu:
+        model = workload.model()
+        opt = torch.optim.Adam(model.parameters())
+        result = search_batch_size(model, workload.sample(4), opt, loss_fn=CE)
+        by_size = {t.size: t for t in result.trials}
+        top = by_size[result.max_batch_size]
+        assert top.fits
+        assert top.reserved_bytes is not None
+        assert top.reserved_bytes <= capacity
+        assert result.smallest_failing == result.max_batch_size + 1
+        assert not by_size[result.max_batch_size + 1].fits  # exact: the next size ran out
+        assert all(t.steps >= 2 and t.reserved_bytes >= t.peak_bytes
+                   for t in result.trials if t.fits and t.peak_bytes is not None
+                   and t.reserved_bytes is not None)
+        # the headroom is of reserved memory: fragmentation comes on top of the 5%
+        assert result.peak_reserved_bytes is not None
+        assert result.peak_reserved_bytes <= 0.95 * capacity
+        assert result.fragmentation is not None
+        assert result.fragmentation >= 1
+        x, y = workload.sample(result.batch_size)
+        for _ in range(20):  # the size recommended trains on, step after step
+            _train_step(model, opt, x, y)
+        assert gpu.oom_count == sum(not t.fits for t in result.trials)

@@ -172,3 +172,64 @@ def test_the_storage_curve_of_two_small_trials_gives_the_peak_at_any_size(name: 
         assert curve is not None
         for size in (3, 77, 300):
             assert curve(size) == runner(size).peak_bytes
+
+
+# Under a caching allocator: the steady state ------------------------------------------------
+
+MiB = 1 << 20
+
+
+def _growing_runner(steps_per_trial: int = 1) -> TrialRunner:
+    """A trial whose k-th step at size n holds an n*k MiB tensor for a moment: every step
+    needs a larger segment than the one before, so the reserved memory keeps growing."""
+    counts: dict[int, int] = {}
+
+    def step(batch: torch.Tensor) -> None:
+        counts[id(batch)] = counts.get(id(batch), 0) + 1
+        torch.empty(len(batch) * counts[id(batch)] * MiB, dtype=torch.uint8).fill_(1)
+
+    return TrialRunner(
+        lambda n: torch.zeros(n, 1), step, memory_for("cpu"),
+        steps_per_trial=steps_per_trial, per_operator=False,
+    )
+
+
+def test_a_trial_steps_until_the_reserved_memory_stops_growing() -> None:
+    with SimulatedGPU("64MiB", allocator="caching"):
+        runner = _growing_runner()
+        grows = runner(10)  # 10, 20, 30 MiB segments cached, then 40 after releasing them
+        steady = TrialRunner(
+            lambda n: torch.zeros(n, 1),
+            lambda b: torch.empty(len(b) * MiB, dtype=torch.uint8).fill_(1),
+            memory_for("cpu"), per_operator=False,
+        )(10)
+    assert grows.fits
+    assert grows.steps == 4  # the first, and three more while the reserved peak grew (the cap)
+    # the batch (one 512-byte block) is in a 2 MiB small-pool segment
+    assert grows.reserved_bytes == (10 + 20 + 30 + 2) * MiB
+    assert grows.peak_bytes == 40 * MiB + 512  # the last step's tensor, the largest
+    assert steady.fits
+    assert steady.steps == 2  # the second step reused the first one's segment
+    assert (steady.peak_bytes, steady.reserved_bytes) == (10 * MiB + 512, 12 * MiB)
+
+
+def test_a_later_step_that_runs_out_fails_the_trial() -> None:
+    with SimulatedGPU("64MiB", allocator="caching") as gpu:
+        failed = _growing_runner()(25)  # 25, then 50 (25 released), then 75: no room
+        assert gpu.num_alloc_retries >= 2
+    with SimulatedGPU("64MiB"):  # the exact model: one step, as asked
+        exact = _growing_runner()(25)
+    assert not failed.fits
+    assert failed.error is not None
+    assert exact.fits
+    assert exact.steps == 1
+    assert exact.reserved_bytes is None
+
+
+def test_every_trial_starts_from_an_empty_cache() -> None:
+    with SimulatedGPU("64MiB", allocator="caching") as gpu:
+        runner = _growing_runner()
+        first = runner(10)
+        assert gpu.reserved_bytes > 0  # the first trial's segments stay cached...
+        second = runner(10)
+    assert (second.steps, second.reserved_bytes) == (first.steps, first.reserved_bytes)

@@ -39,6 +39,7 @@ class _Failure:
     exc: BaseException  # traceback stripped from every link: holds no frame, so no tensor
     kind: str
     inside: torch.optim.Optimizer | None  # the optimizer whose step() was running, if any
+    unallocated: float | None = None  # the share of reserved memory cached but unallocated
 
 
 def _strip_tracebacks(exc: BaseException) -> None:

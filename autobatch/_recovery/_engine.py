@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 import logging
-import math
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol, cast
@@ -31,6 +29,7 @@ from autobatch._log import get_logger, user_stacklevel
 from autobatch._measure import PeakKeeping, _PhasePeaks
 from autobatch._oom import is_oom_error, oom_kind
 from autobatch._recovery._accumulate import _Accumulation, _reset_scaler
+from autobatch._recovery._arguments import _batch_parameter, _count_items, _modules_of
 from autobatch._recovery._attempt import (
     _Attempt,
     _Failure,
@@ -49,6 +48,7 @@ from autobatch._recovery._ranks import (
 from autobatch._recovery._records import SizeChange, _Tally
 from autobatch._recovery._results import _combine
 from autobatch._recovery._sizes import _Sizes, _TooSmall
+from autobatch._recovery._thrash import _Watch, hint_fragmentation
 from autobatch._units import format_bytes
 
 logger = get_logger("recovery")
@@ -67,64 +67,6 @@ class _Observer(Protocol):
 _OBSERVER: contextvars.ContextVar[_Observer | None] = contextvars.ContextVar(
     "autobatch_recovery_observer", default=None
 )
-
-
-def _batch_parameter(
-    fn: Callable[..., Any], batch_arg: str | None
-) -> tuple[int | None, str | None]:
-    """Where the batch is in a call of ``fn``: (positional index, keyword name)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if batch_arg is not None:
-        for index, param in enumerate(params):
-            if param.name == batch_arg and param.kind in (
-                *positional,
-                inspect.Parameter.KEYWORD_ONLY,
-            ):
-                return (index if param.kind in positional else None), param.name
-        names = ", ".join(p.name for p in params) or "none"
-        raise ValueError(
-            f"batch_arg={batch_arg!r} is not a parameter of {getattr(fn, '__qualname__', fn)!r} "
-            f"(parameters: {names}); pass the name of the argument that holds the batch"
-        )
-    for index, param in enumerate(params):
-        if param.kind in positional and param.name not in ("self", "cls"):
-            return index, (None if param.kind == inspect.Parameter.POSITIONAL_ONLY else param.name)
-        if param.kind == inspect.Parameter.VAR_POSITIONAL:
-            return index, None
-    if not params:
-        return 0, None
-    raise ValueError(
-        f"{getattr(fn, '__qualname__', fn)!r} takes no positional argument to split; pass "
-        "batch_arg= with the name of the argument that holds the batch"
-    )
-
-
-def _modules_of(fn: Callable[..., Any]) -> dict[str, nn.Module]:
-    """Modules the step function refers to by name (globals and closure), by that name."""
-    try:
-        names = inspect.getclosurevars(inspect.unwrap(fn))
-    except (TypeError, ValueError):
-        return {}
-    values = {**names.globals, **names.nonlocals}
-    return {name: v for name, v in values.items() if isinstance(v, nn.Module)}
-
-
-def _count_items(value: object, name: str) -> float:
-    """The number ``items=`` returned for a batch, checked."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"{name}: items= must return a number of items (an int, a float or a one-element "
-            f"tensor), got {value!r} ({type(value).__name__})"
-        )
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name}: items= returned {value!r}; a count must be finite and >= 0")
-    return float(value)
 
 
 #: Split batches during which the engine watches which modules run (a global forward hook).
@@ -163,6 +105,7 @@ class _Engine:
         # Gradients only (no optimizer given): the caller steps, and may accumulate over calls.
         self.keeps_gradients = self.policy == "accumulate" and not self.optimizers
         self.skips_steps = False  # a whole call ended without an optimizer step
+        self.watch = _Watch()  # the caching allocator's retries, step by step
         _see_optimizer_steps()
 
     def coordinated(self) -> _Coordination | None:
@@ -268,7 +211,9 @@ class _Engine:
         if isinstance(exc, AutobatchError) or not is_oom_error(exc):
             return None
         failure = _Failure(
-            exc=exc, kind=oom_kind(exc) or "oom", inside=_optimizer_in_traceback(exc)
+            exc=exc, kind=oom_kind(exc) or "oom", inside=_optimizer_in_traceback(exc),
+            # read while the failed attempt's tensors are alive: what the OOM saw
+            unallocated=self.watch.unallocated_share(self._watched()),
         )
         _strip_tracebacks(exc)
         return failure
@@ -290,8 +235,29 @@ class _Engine:
                 raise
         else:
             self.succeeded(attempt)
+            if self.watch.step_done(self._watched()):
+                self._thrashing(self._locate(args, kwargs))
             return result
         return self.call(args, kwargs, failure, attempt)
+
+    def _watched(self) -> DeviceLike:
+        """The device whose allocator the watch reads: the option, else the parameters'."""
+        if self.options.device is not None:
+            return self.options.device
+        params = self.known.params
+        return params[0].device if params else None
+
+    def _thrashing(self, batch: Batch) -> None:
+        """The allocator released its cache and retried in step after step: a smaller size
+        before it runs out (the pieces add up as a whole batch does, so nothing changes)."""
+        try:
+            total = batch_size(batch)
+        except (TypeError, ValueError):
+            return
+        key, eps = shape_key(batch), max(elements_per_sample(batch), 1)
+        changed = self.sizes.after_thrashing(key, eps, total)
+        if changed is not None:
+            self._size_changed(*changed, "thrashing", _OBSERVER.get())
 
     def call(
         self,
@@ -501,6 +467,8 @@ class _Engine:
         self.sizes.finish(key, clean)
         self._finished(total)
         self.tally.micro_batch_size = max(n for n, _, _ in pieces) if len(pieces) > 1 else None
+        if self.watch.step_done(self._watched()):
+            self._thrashing(batch)
         return _combine(pieces)
 
     def _changed_in_piece(
@@ -578,7 +546,8 @@ class _Engine:
         if self.options.scaler is not None:
             for optimizer in self.optimizers:
                 _reset_scaler(self.options.scaler, optimizer)
-        free_memory(memory.device)
+        hint_fragmentation(self.name, failure.unallocated, failure.kind)
+        free_memory(memory.device)  # the cache emptied too, before smaller pieces run
         try:
             too_small = problem is not None
             if problem is None:

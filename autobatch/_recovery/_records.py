@@ -19,9 +19,10 @@ class SizeChange:
         function: the decorated step's qualified name.
         old: the size before; ``None`` when whole batches ran.
         new: the size after.
-        reason: ``"oom"`` (shrunk after an OOM), ``"refine"`` (raised to what the memory model
-            allows after a measuring piece), ``"grow"`` (a larger size tried after clean steps) or
-            ``"grow failed"`` (back to the last good size).
+        reason: ``"oom"`` (shrunk after an OOM), ``"thrashing"`` (shrunk before one: the caching
+            allocator released its cache and retried in several steps in a row), ``"refine"``
+            (raised to what the memory model allows after a measuring piece), ``"grow"`` (a larger
+            size tried after clean steps) or ``"grow failed"`` (back to the last good size).
     """
 
     step: int
@@ -45,7 +46,7 @@ class RecoveryStats:
     Args:
         ooms: out-of-memory errors caught (each one retried at a smaller size, or reported);
             under a process group, also attempts stopped because another rank ran out.
-        shrinks: size decreases (after an OOM or a failed grow).
+        shrinks: size decreases (after an OOM, a failed grow, or thrashing).
         grows: attempts to use a larger size (``grow_after``).
         failed_grows: grow attempts that ran out of memory and went back.
         batches: batches completed (calls of the step, or batches the guard handed out).
@@ -82,7 +83,7 @@ class _Tally:
         self.history.append(change)
         self.counts.update(
             changes=1,
-            shrinks=change.reason in ("oom", "grow failed"),
+            shrinks=change.reason in ("oom", "grow failed", "thrashing"),
             grows=change.reason == "grow",
             failed_grows=change.reason == "grow failed",
         )

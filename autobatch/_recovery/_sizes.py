@@ -29,6 +29,7 @@ class _KeyState:
     wait: int = 0  # clean calls before the next grow attempt
     refine: bool = False  # the limit came from a rough model; raise it once a better one exists
     grow_from: int | None = None  # the last good size while a grow attempt is in flight
+    grown_from: int | None = None  # the size before the latest grow, until the next change
 
 
 class _TooSmall(Exception):
@@ -167,7 +168,7 @@ class _Sizes:
         old = None if state is None else state.limit
         if state is not None and state.grow_from is not None and failed > state.grow_from:
             new = state.grow_from
-            state.grow_from = None
+            state.grow_from = state.grown_from = None
             state.wait *= 2
             state.ceiling = failed
             state.clean = 0
@@ -192,7 +193,7 @@ class _Sizes:
         state.limit = new
         state.ceiling = failed if state.ceiling is None else min(state.ceiling, failed)
         state.refine = refine
-        state.grow_from = None
+        state.grow_from = state.grown_from = None
         state.clean = 0
         return old, new, "oom"
 
@@ -248,5 +249,36 @@ class _Sizes:
             state.clean = 0  # the model says there is no room: wait again
             return None
         state.grow_from, state.limit = state.limit, target
+        state.grown_from = state.grow_from
         state.clean = 0
         return state.grow_from, target
+
+    def after_thrashing(self, key: Hashable, eps: int, size: int) -> tuple[int | None, int] | None:
+        """The allocator kept releasing its cache while pieces of ``size`` rows ran: a smaller
+        size before it runs out, ``(old, new)``; ``None`` when already at ``min_batch``.
+
+        Half the size, or, after a grow, the size before it: the grow fragmented memory like a
+        failed one, so the wait before the next grow doubles and the thrashing size becomes the
+        ceiling (no oscillation between the two).
+        """
+        state = self.states.get(key)
+        current = size if state is None else min(state.limit, size)
+        if current <= self.min_batch:
+            return None
+        old = None if state is None else state.limit
+        if state is None:
+            new = max(current // 2, self.min_batch)
+            state = self.states[key] = _KeyState(eps=eps, limit=new, wait=self.grow_after or 0)
+            while len(self.states) > MAX_SHAPES:
+                del self.states[next(iter(self.states))]
+        elif state.grown_from is not None and state.grown_from < current:
+            new = state.grown_from
+            state.wait *= 2
+        else:
+            new = max(current // 2, self.min_batch)
+        state.limit = new
+        state.ceiling = current if state.ceiling is None else min(state.ceiling, current)
+        state.grown_from = state.grow_from = None
+        state.refine = False
+        state.clean = 0
+        return old, new

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from autobatch._search._model import (
     LinearModel,
@@ -101,7 +101,7 @@ def search(
             min_size=bracket.first,
             max_size=None if max_size is None else bracket.last,
             multiple_of=multiple_of,
-            capacity_bytes=capacity_bytes,
+            capacity_bytes=allocated_capacity(trials, capacity_bytes),
             start=start,
             prior=prior,
         )
@@ -124,8 +124,42 @@ def search(
             trial.peak_bytes,
             "" if trial.error is None else f", {trial.error}",
         )
-    points = binding_points(trials, capacity_bytes)
+    points = binding_points(trials, allocated_capacity(trials, capacity_bytes))
     return SearchOutcome(bracket.fit, bracket.fail, tuple(trials), fit_linear(points))
+
+
+def fragmentation(trials: Sequence[Trial], size: int | None = None) -> float:
+    """Reserved bytes per allocated byte at the peak (1.0 when no trial reports both): of the
+    fitting trial at ``size`` when given and measured, else of the largest fitting trial.
+
+    A caching allocator holds more than its live tensors (cached blocks, segments cut to fit
+    earlier requests), and it runs out when its segments do: at this ratio, live tensors run
+    out at the capacity divided by it.
+
+    >>> fragmentation([Trial(8, True, 800, reserved_bytes=1000), Trial(16, True, 1500)])
+    1.25
+    """
+    measured = [
+        t for t in trials
+        if t.fits and t.peak_bytes and t.reserved_bytes is not None and t.reserved_bytes > 0
+    ]
+    if not measured:
+        return 1.0
+    at = [t for t in measured if t.size == size]
+    chosen = at[-1] if at else max(measured, key=lambda t: t.size)
+    return max((chosen.reserved_bytes or 0) / (chosen.peak_bytes or 1), 1.0)
+
+
+def allocated_capacity(trials: Sequence[Trial], capacity_bytes: int | None) -> int | None:
+    """The capacity as the trials' allocated peaks see it: ``capacity_bytes`` divided by the
+    :func:`fragmentation` the largest fitting trial measured (itself without one).
+
+    >>> allocated_capacity([Trial(8, True, 800, reserved_bytes=1000)], 10_000)
+    8000
+    """
+    if capacity_bytes is None:
+        return None
+    return max(math.floor(capacity_bytes / fragmentation(trials)), 1)
 
 
 def recommend(
@@ -143,7 +177,10 @@ def recommend(
 
     ``headroom=0`` is ``largest_fit`` itself (on the grid). Otherwise, with measured peaks and
     ``capacity_bytes``, the target is a peak of at most ``(1 - headroom) * capacity_bytes -
-    reserved_bytes``: the size is predicted by the line of the part (see :func:`binding_points`)
+    reserved_bytes``; where trials report the caching allocator's reserved peak
+    (``Trial.reserved_bytes``), that peak is held to the target, not the allocated one, so the
+    headroom comes on top of the fragmentation measured (and the lines of allocated peaks aim
+    at the target divided by it, see :func:`fragmentation`): the size is predicted by the line of the part (see :func:`binding_points`)
     that reaches that target first, which on a bent curve need not be the part that binds at
     the capacity. With a ``probe`` the prediction is checked: a size whose peak was not
     measured is probed, and one whose peak is above the target is refitted below, so the size
@@ -214,7 +251,8 @@ class _Settling:
         within: int | None = None
         above = self.top + self.step
         for t in self.trials:
-            over = not t.fits or (t.peak_bytes is not None and t.peak_bytes > self.target)
+            held = t.peak_bytes if t.reserved_bytes is None else t.reserved_bytes
+            over = not t.fits or (held is not None and held > self.target)
             if over:
                 above = min(above, t.size)
             elif t.peak_bytes is not None and t.size % self.step == 0 and t.size <= self.top:
@@ -223,11 +261,14 @@ class _Settling:
 
     def predict(self) -> int | None:
         """The largest size the parts' lines put within the target (``None``: no line)."""
-        points = binding_points(self.trials, max(self.target, 1))
+        # The lines are of allocated peaks; the target is of reserved memory, where a caching
+        # allocator reports it: they meet at the target less the fragmentation measured.
+        target = max(math.floor(self.target / fragmentation(self.trials)), 1)
+        points = binding_points(self.trials, target)
         model = fit_linear(points)
         if model is None:
             return None
-        return model.largest_within(self.target)
+        return model.largest_within(target)
 
     def run(self, probe: Callable[[int], Trial] | None, max_probes: int) -> int:
         misses = 0
@@ -246,7 +287,8 @@ class _Settling:
                 break
             trial = probe(size)
             self.trials.append(trial)
-            if not trial.fits or (trial.peak_bytes or 0) > self.target:
+            held = trial.peak_bytes if trial.reserved_bytes is None else trial.reserved_bytes
+            if not trial.fits or (held or 0) > self.target:
                 misses += 1
             else:  # within the target (or unmeasured: trusted); the lines aimed at the largest
                 return size

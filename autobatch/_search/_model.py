@@ -47,6 +47,11 @@ class Trial:
             from every storage's size and the allocator's rounding, which a line through the
             peaks cannot follow where a sample adds less than a block). The search uses it
             while it gives every measured peak exactly and every failed size above capacity.
+        reserved_bytes: the peak of the memory the device's caching allocator held (its segments,
+            in use or cached), when it reports one: what really runs out. ``peak_bytes`` is the
+            peak of live tensors; the ratio of the two is the fragmentation the trial measured.
+        steps: how many steps the trial ran: more than asked when the reserved memory still
+            grew from one step to the next (it stops at a steady state, or a cap).
     """
 
     size: int
@@ -58,9 +63,14 @@ class Trial:
     parts: tuple[int, ...] = field(default=(), compare=False, repr=False)
     phases: tuple[int, ...] = field(default=(), compare=False, repr=False)
     curve: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
+    reserved_bytes: int | None = field(default=None, repr=False)
+    steps: int = field(default=1, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_int("Trial.size", self.size, minimum=1)
+        check_int("Trial.steps", self.steps, minimum=1)
+        if self.reserved_bytes is not None:
+            check_int("Trial.reserved_bytes", self.reserved_bytes, minimum=0)
         if not isinstance(self.fits, bool):
             raise TypeError(f"Trial.fits must be a bool, got {self.fits!r}")
         if self.peak_bytes is not None:
@@ -71,6 +81,8 @@ class Trial:
     def __str__(self) -> str:
         verdict = "fits" if self.fits else f"OOM ({self.error})"
         peak = "" if self.peak_bytes is None else f", peak {format_bytes(self.peak_bytes)}"
+        if self.reserved_bytes is not None:
+            peak += f" (reserved {format_bytes(self.reserved_bytes)}, {self.steps} steps)"
         return f"batch {self.size:>6}: {verdict}{peak}, {self.seconds:.2f} s"
 
 

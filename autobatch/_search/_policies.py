@@ -22,6 +22,9 @@ from autobatch._search._model import (
 )
 from autobatch._validate import check_int
 
+#: Guided trials after the first failure under a caching allocator, before bisecting.
+_CACHING_GUIDED = 3
+
 logger = logging.getLogger("autobatch.search")
 
 
@@ -226,6 +229,8 @@ class ModelGuided:
             if state.prior is not None:
                 return state.prior.largest_within(capacity)
             return self.first_size
+        if self._segment_bound(state):
+            return self.fallback.next_size(state)  # bisects the bracket
         curve = trusted_curve(state.trials, capacity)
         if curve is not None:
             return self._curve_size(state, curve, capacity)
@@ -240,6 +245,17 @@ class ModelGuided:
                 return self._second_size(state, points[-1], capacity)
             return self.fallback.next_size(state)
         return self._guided_size(state, fit, capacity)
+
+    def _segment_bound(self, state: SearchState) -> bool:
+        """Whether to stop aiming under a caching allocator: its verdict turns where a segment
+        stops fitting, which no line through allocated peaks tells to the size, so after
+        :data:`_CACHING_GUIDED` guided trials past the first failure the bracket is bisected."""
+        if state.smallest_fail is None or not any(
+            t.reserved_bytes is not None for t in state.trials
+        ):
+            return False
+        first = next(i for i, t in enumerate(state.trials) if not t.fits)
+        return len(state.trials) - 1 - first >= _CACHING_GUIDED
 
     def _curve_size(self, state: SearchState, curve: Callable[[int], int], capacity: int) -> int:
         """Where the probe's own curve puts the largest fit: there, or the size above the

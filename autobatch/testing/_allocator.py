@@ -21,6 +21,8 @@ import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterator
 
+from autobatch.testing._segments import memory_stats
+
 #: ``kMinBlockSize``: every request is rounded up to a multiple of 512 bytes (512 at least).
 MIN_BLOCK_SIZE = 512
 #: ``kSmallSize``: requests up to 1 MiB (after rounding) come from the small pool.
@@ -321,45 +323,10 @@ class CachingAllocator:
         return sorted(found)
 
     def stats(self) -> dict[str, int]:
-        """The counters of ``torch.cuda.memory_stats()`` that the model keeps, under its names."""
+        """The counters of ``torch.cuda.memory_stats()`` that the model keeps, under its names
+        (see :func:`autobatch.testing._segments.memory_stats`)."""
         self._flush()
-        result: dict[str, int] = {}
-        groups = {
-            "allocation": (self.allocation_stat, "allocation"),
-            "segment": (self.segment_stat, "segment"),
-            "allocated_bytes": (self.allocated_bytes_stat, "allocated_bytes"),
-            "requested_bytes": (self.requested_bytes_stat, "requested_bytes"),
-            "reserved_bytes": (self.reserved_bytes_stat, "reserved_bytes"),
-            # one stream and no events: a block is active exactly while it is allocated
-            "active": (self.allocation_stat, "allocation"),
-            "active_bytes": (self.allocated_bytes_stat, "allocated_bytes"),
-        }
-        for name, (total, attribute) in groups.items():
-            for pool_name, stat in (
-                ("all", total),
-                ("small_pool", getattr(self._small, attribute)),
-                ("large_pool", getattr(self._large, attribute)),
-            ):
-                for field in ("current", "peak", "allocated", "freed"):
-                    result[f"{name}.{pool_name}.{field}"] = getattr(stat, field)
-        # Free blocks that cannot be released because their segment is partly in use (kept
-        # only for cudaMalloc'd segments, as the source leaves expandable ones out).
-        split = {"all": [0, 0], "small_pool": [0, 0], "large_pool": [0, 0]}
-        for segment in self._segments.values():
-            if segment.head.next is None:
-                continue
-            for block in segment.blocks():
-                if not block.allocated:
-                    for pool_name in ("all", block.pool.name):
-                        split[pool_name][0] += 1
-                        split[pool_name][1] += block.size
-        for pool_name, (count, nbytes) in split.items():
-            result[f"inactive_split.{pool_name}.current"] = count
-            result[f"inactive_split_bytes.{pool_name}.current"] = nbytes
-        result["num_alloc_retries"] = self.num_alloc_retries
-        result["num_ooms"] = self.num_ooms
-        result["num_device_alloc"] = self.num_device_alloc
-        result["num_device_free"] = self.num_device_free
+        result = memory_stats(self)
         # size_t's maximum read as int64_t, as torch.cuda.memory_stats reports "no limit"
         result["max_split_size"] = -1 if self.max_split_size == UNLIMITED else self.max_split_size
         return dict(sorted(result.items()))

@@ -551,6 +551,10 @@ class SimulatedMemory(_backends.DeviceMemory):
     def free_bytes(self) -> int:
         return self.gpu.free_bytes
 
+    @property
+    def caches(self) -> bool:
+        return self.gpu.allocator == "caching"
+
     def reserved_bytes(self) -> int:
         return self.gpu.reserved_bytes
 
@@ -559,6 +563,9 @@ class SimulatedMemory(_backends.DeviceMemory):
 
     def memory_stats(self) -> dict[str, int]:
         return self.gpu.memory_stats()
+
+    def alloc_retries(self) -> int:
+        return self.gpu.num_alloc_retries
 
     def empty_cache(self) -> None:
         self.gpu.empty_cache()

@@ -1,0 +1,69 @@
+"""Where a decorated step's batch is among its arguments, and what else its call refers to."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _batch_parameter(
+    fn: Callable[..., Any], batch_arg: str | None
+) -> tuple[int | None, str | None]:
+    """Where the batch is in a call of ``fn``: (positional index, keyword name)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if batch_arg is not None:
+        for index, param in enumerate(params):
+            if param.name == batch_arg and param.kind in (
+                *positional,
+                inspect.Parameter.KEYWORD_ONLY,
+            ):
+                return (index if param.kind in positional else None), param.name
+        names = ", ".join(p.name for p in params) or "none"
+        raise ValueError(
+            f"batch_arg={batch_arg!r} is not a parameter of {getattr(fn, '__qualname__', fn)!r} "
+            f"(parameters: {names}); pass the name of the argument that holds the batch"
+        )
+    for index, param in enumerate(params):
+        if param.kind in positional and param.name not in ("self", "cls"):
+            return index, (None if param.kind == inspect.Parameter.POSITIONAL_ONLY else param.name)
+        if param.kind == inspect.Parameter.VAR_POSITIONAL:
+            return index, None
+    if not params:
+        return 0, None
+    raise ValueError(
+        f"{getattr(fn, '__qualname__', fn)!r} takes no positional argument to split; pass "
+        "batch_arg= with the name of the argument that holds the batch"
+    )
+
+
+def _modules_of(fn: Callable[..., Any]) -> dict[str, nn.Module]:
+    """Modules the step function refers to by name (globals and closure), by that name."""
+    try:
+        names = inspect.getclosurevars(inspect.unwrap(fn))
+    except (TypeError, ValueError):
+        return {}
+    values = {**names.globals, **names.nonlocals}
+    return {name: v for name, v in values.items() if isinstance(v, nn.Module)}
+
+
+def _count_items(value: object, name: str) -> float:
+    """The number ``items=`` returned for a batch, checked."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name}: items= must return a number of items (an int, a float or a one-element "
+            f"tensor), got {value!r} ({type(value).__name__})"
+        )
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}: items= returned {value!r}; a count must be finite and >= 0")
+    return float(value)
