@@ -407,6 +407,57 @@ class ModelGuided:
         return max(granularity, fit.residual)
 
 
+@dataclass(frozen=True)
+class Predicted:
+    """Trust a predicted size: probe ``start``, then let the trial settle it.
+
+    After a failure the size below is tried, so a prediction one size too high is proven
+    exact in two trials; if that fails too, the size goes down in doubling steps (3, 7, 15,
+    ... below the prediction) until one fits, then ``fallback`` goes on. After a fit, with a
+    ``prior`` and a measured peak: the size where the line from the prior's fixed bytes
+    through that peak meets the capacity (the size above, when that is the one that fit).
+    The prior's fixed bytes (weights, optimizer state) are taken as right and its slope as a
+    guess, so a prediction that was low by a few sizes costs one more trial; when that size
+    fits too, the size above it. From then on (or without a ``start``), ``fallback`` chooses.
+
+    >>> from autobatch._search import search
+    >>> search(lambda n: Trial(n, fits=n <= 41), start=42, policy=Predicted()).sizes
+    (42, 41)
+    >>> search(lambda n: Trial(n, fits=n <= 30), start=42, policy=Predicted()).sizes
+    (42, 41, 39, 35, 27, 31, 29, 30)
+    >>> peak = lambda n: 1_000_000 + 10_000 * n  # bytes
+    >>> probe = lambda n: Trial(n, fits=peak(n) <= 2_000_000, peak_bytes=peak(n))
+    >>> guess = LinearModel(1_000_000, 11_000)  # the slope 10% off
+    >>> search(probe, capacity_bytes=2_000_000, start=90, prior=guess, policy=Predicted()).sizes
+    (90, 100, 101)
+
+    Args:
+        fallback: the policy after the first two trials, or after a failure below them.
+    """
+
+    fallback: ModelGuided = ModelGuided()
+
+    def next_size(self, state: SearchState) -> int:
+        if state.start is None or not state.trials:
+            return self.fallback.next_size(state)
+        first = state.trials[0]
+        if state.largest_fit is None:  # every trial failed: the prediction was high
+            return first.size - ((1 << len(state.trials)) - 1) * state.multiple_of
+        prior, capacity = state.prior, state.capacity_bytes
+        if (
+            len(state.trials) == 1
+            and prior is not None
+            and capacity is not None
+            and first.peak_bytes is not None
+            and first.peak_bytes > prior.fixed
+        ):
+            secant = LinearModel(prior.fixed, (first.peak_bytes - prior.fixed) / first.size)
+            return max(secant.largest_within(capacity), first.size + state.multiple_of)
+        if len(state.trials) == 2 and all(t.fits for t in state.trials):
+            return max(t.size for t in state.trials) + state.multiple_of  # the next one fits?
+        return self.fallback.next_size(state)
+
+
 class _Bracket:
     """The search's grid and bracket, in sizes."""
 
