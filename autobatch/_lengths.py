@@ -227,9 +227,10 @@ def _seed(
     if line is None:
         return None
     capacity = next(iter(results.values())).capacity_bytes
-    # the nearest size to where the line meets the capacity: a prediction off by half a
-    # sample either way is still proven in two trials
-    size = line.largest_within(capacity + line.per_sample / 2)
+    # a quarter of a sample over where the line meets the capacity: a prediction that lands
+    # on the largest fit or one above it is proven in two trials, a low one in three, a
+    # higher one in more
+    size = line.largest_within(capacity + line.per_sample / 4)
     return max(size, 1), line
 
 

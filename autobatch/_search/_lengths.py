@@ -21,12 +21,14 @@ from autobatch._validate import check_int
 def predict_line(lines: Mapping[int, LinearModel], length: int) -> LinearModel | None:
     """The memory line at ``length``, from the lines measured at other lengths.
 
-    ``per_sample`` goes through the measured lines nearest ``length``: with one, in proportion
-    to the length; with two or more, as ``b*L + c*L**2`` through the two nearest (exact for
-    parts linear and quadratic in the length, such as a transformer's activations and
-    attention scores; a curve through more points would follow the measurements' rounding
-    more than the memory). When that does not grow with the length between the measured
-    neighbours of ``length``, it falls back to the proportion. ``fixed`` is the nearest line's
+    ``per_sample`` follows the measured lines: with one, in proportion to the length; with
+    two or more, as ``b*L + c*L**2`` (exact for parts linear and quadratic in the length,
+    such as a transformer's activations and attention scores), through both, or the
+    least-squares fit of the bytes per token through all of them (each measured size is a
+    whole number of samples, so each line's slope is off by up to a sample's rounding; the
+    fit averages that out, where a curve through the nearest points would extrapolate it).
+    When that does not grow with the length between the measured neighbours of ``length``,
+    it falls back to the proportion to the nearest. ``fixed`` is the nearest line's
     with one line, else on the straight line through the two nearest. ``None`` when no
     positive line comes out.
 
@@ -69,7 +71,7 @@ def _per_sample(lines: Mapping[int, LinearModel], nearest: Sequence[int], length
         return above is None or value <= known[above]
 
     if len(nearest) >= 2:
-        value = _through_origin(nearest[:2], known, length)
+        value = _through_origin(nearest, known, length)
         if plausible(value):
             return value
     closest = nearest[0]
@@ -77,11 +79,15 @@ def _per_sample(lines: Mapping[int, LinearModel], nearest: Sequence[int], length
 
 
 def _through_origin(points: Sequence[int], known: Mapping[int, float], length: int) -> float:
-    """``b*L + c*L**2`` through the two ``points``, at ``length``: per token, a straight line."""
-    (x_1, x_2) = points
-    r_1, r_2 = known[x_1] / x_1, known[x_2] / x_2
-    slope = (r_1 - r_2) / (x_1 - x_2)
-    return length * (r_1 + slope * (length - x_1))
+    """``b*L + c*L**2`` through the ``points``' ``(length, per_sample)``, at ``length``: per
+    token, the least-squares straight line (through both points when there are two)."""
+    count = len(points)
+    x_mean = sum(points) / count
+    ratios = [known[x] / x for x in points]
+    r_mean = sum(ratios) / count
+    spread = sum((x - x_mean) ** 2 for x in points)
+    slope = sum((x - x_mean) * (r - r_mean) for x, r in zip(points, ratios, strict=True)) / spread
+    return length * (r_mean + slope * (length - x_mean))
 
 
 def _fixed(lines: Mapping[int, LinearModel], nearest: Sequence[int], length: int) -> float:

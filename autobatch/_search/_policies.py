@@ -413,9 +413,9 @@ class Predicted:
 
     After a failure the size below is tried, so a prediction one size too high is proven
     exact in two trials; if that fails too, the size goes down in doubling steps (3, 7, 15,
-    ... below the prediction) until one fits, then ``fallback`` goes on. After a fit, with a
-    ``prior`` and a measured peak: the size where the line from the prior's fixed bytes
-    through that peak meets the capacity (the size above, when that is the one that fit).
+    ... below the prediction) until one fits. After the first fit, with a ``prior`` and a
+    measured peak: the size where the line from the prior's fixed bytes through that peak
+    meets the capacity (the size above, when that is the one that fit).
     The prior's fixed bytes (weights, optimizer state) are taken as right and its slope as a
     guess, so a prediction that was low by a few sizes costs one more trial; when that size
     fits too, the size above it. From then on (or without a ``start``), ``fallback`` chooses.
@@ -440,21 +440,24 @@ class Predicted:
     def next_size(self, state: SearchState) -> int:
         if state.start is None or not state.trials:
             return self.fallback.next_size(state)
-        first = state.trials[0]
+        step = state.multiple_of
         if state.largest_fit is None:  # every trial failed: the prediction was high
-            return first.size - ((1 << len(state.trials)) - 1) * state.multiple_of
+            return state.trials[0].size - ((1 << len(state.trials)) - 1) * step
+        fits = [t for t in state.trials if t.fits]
+        last = state.trials[-1]
         prior, capacity = state.prior, state.capacity_bytes
         if (
-            len(state.trials) == 1
+            len(fits) == 1
+            and last.fits
             and prior is not None
             and capacity is not None
-            and first.peak_bytes is not None
-            and first.peak_bytes > prior.fixed
-        ):
-            secant = LinearModel(prior.fixed, (first.peak_bytes - prior.fixed) / first.size)
-            return max(secant.largest_within(capacity), first.size + state.multiple_of)
-        if len(state.trials) == 2 and all(t.fits for t in state.trials):
-            return max(t.size for t in state.trials) + state.multiple_of  # the next one fits?
+            and last.peak_bytes is not None
+            and last.peak_bytes > prior.fixed
+        ):  # the first fit: the line from the fixed bytes through its peak
+            secant = LinearModel(prior.fixed, (last.peak_bytes - prior.fixed) / last.size)
+            return max(secant.largest_within(capacity), last.size + step)
+        if len(fits) == 2 and last.fits:
+            return last.size + step  # the line's size fit: does the next one?
         return self.fallback.next_size(state)
 
 
