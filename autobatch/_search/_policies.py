@@ -412,8 +412,8 @@ class Predicted:
     """Trust a predicted size: probe ``start``, then let the trial settle it.
 
     After a failure the size below is tried, so a prediction one size too high is proven
-    exact in two trials; if that fails too, the size goes down in doubling steps (3, 7, 15,
-    ... below the prediction) until one fits. After the first fit, with a ``prior`` and a
+    exact in two trials; if that fails too, 3 then 7 below the prediction, then the
+    geometric middle of what is left, until one fits. After the first fit, with a ``prior`` and a
     measured peak: the size where the line from the prior's fixed bytes through that peak
     meets the capacity (the size above, when that is the one that fit).
     The prior's fixed bytes (weights, optimizer state) are taken as right and its slope as a
@@ -424,7 +424,7 @@ class Predicted:
     >>> search(lambda n: Trial(n, fits=n <= 41), start=42, policy=Predicted()).sizes
     (42, 41)
     >>> search(lambda n: Trial(n, fits=n <= 30), start=42, policy=Predicted()).sizes
-    (42, 41, 39, 35, 27, 31, 29, 30)
+    (42, 41, 39, 35, 5, 13, 24, 29, 32, 30, 31)
     >>> peak = lambda n: 1_000_000 + 10_000 * n  # bytes
     >>> probe = lambda n: Trial(n, fits=peak(n) <= 2_000_000, peak_bytes=peak(n))
     >>> guess = LinearModel(1_000_000, 11_000)  # the slope 10% off
@@ -442,21 +442,23 @@ class Predicted:
             return self.fallback.next_size(state)
         step = state.multiple_of
         if state.largest_fit is None:  # every trial failed: the prediction was high
-            return state.trials[0].size - ((1 << len(state.trials)) - 1) * step
+            misses = len(state.trials)
+            if misses > 3:  # by far: halve the bracket, geometrically
+                midpoint = state.midpoint()
+                assert midpoint is not None  # a failure bounds the bracket
+                return midpoint
+            return state.trials[0].size - ((1 << misses) - 1) * step
+        prior, capacity = state.prior, state.capacity_bytes
+        if prior is None or capacity is None:
+            return self.fallback.next_size(state)
         fits = [t for t in state.trials if t.fits]
         last = state.trials[-1]
-        prior, capacity = state.prior, state.capacity_bytes
-        if (
-            len(fits) == 1
-            and last.fits
-            and prior is not None
-            and capacity is not None
-            and last.peak_bytes is not None
-            and last.peak_bytes > prior.fixed
-        ):  # the first fit: the line from the fixed bytes through its peak
+        if len(fits) == 1 and last.fits and (last.peak_bytes or 0) > prior.fixed:
+            # the first fit: where the line from the fixed bytes through its peak ends
+            assert last.peak_bytes is not None
             secant = LinearModel(prior.fixed, (last.peak_bytes - prior.fixed) / last.size)
             return max(secant.largest_within(capacity), last.size + step)
-        if len(fits) == 2 and last.fits:
+        if len(fits) == 2 and last.fits and fits[0].peak_bytes is not None:
             return last.size + step  # the line's size fit: does the next one?
         return self.fallback.next_size(state)
 
