@@ -207,6 +207,7 @@ def _measured_search(
             multiple_of=multiple_of,
             min_size=min_batch,
             probe=probe,
+            prior=prior,
         )
     if headroom and memory.has_statistics:
         measured = [t.peak_bytes for t in runner.records if t.size == recommended and t.fits]
