@@ -88,11 +88,11 @@ def search_batch_sizes(
 
     >>> import torch
     >>> from autobatch.testing import SimulatedGPU
-    >>> from autobatch.testing.models import gru
-    >>> model = gru()
+    >>> from autobatch.testing.models import transformer
+    >>> model = transformer(d_model=16, layers=1)
     >>> def tokens(length):
     ...     return torch.randint(0, 1000, (2, length)), torch.randint(0, 10, (2,))
-    >>> with SimulatedGPU("4MiB", adopt=[model]):
+    >>> with SimulatedGPU("1MiB", adopt=[model]):
     ...     table = search_batch_sizes(model, tokens, [8, 16, 32], torch.optim.SGD, headroom=0)
     >>> table.max_batch_size(8) > table.batch_size(20) == table.max_batch_size(32)
     True

@@ -3,6 +3,7 @@ and the pure pieces under it (predict_line, the Predicted policy)."""
 
 from __future__ import annotations
 
+import doctest
 import json
 import random
 from dataclasses import dataclass
@@ -275,6 +276,15 @@ def test_a_sample_for_that_is_not_a_function_is_refused() -> None:
     assert isinstance(caught.value, TypeError)
     with pytest.raises(ValueError, match="headroom"):  # the search's own options, as checked there
         search_batch_sizes(nn.Linear(4, 2), _sample_for, [8], headroom=1.5)
+
+
+def test_docstring_examples_run() -> None:
+    import autobatch._lengths
+    import autobatch._result
+    import autobatch._search._lengths
+
+    for module in (autobatch._lengths, autobatch._result, autobatch._search._lengths):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 def test_public_surface() -> None:

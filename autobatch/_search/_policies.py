@@ -412,13 +412,14 @@ class Predicted:
     """Trust a predicted size: probe ``start``, then let the trial settle it.
 
     After a failure the size below is tried, so a prediction one size too high is proven
-    exact in two trials; if that fails too, 3 then 7 below the prediction, then the
-    geometric middle of what is left, until one fits. After the first fit, with a ``prior`` and a
+    exact in two trials; if that fails too, 3 (or 3%) then 7 (or 7%) below the prediction,
+    then the geometric middle of what is left, until one fits. After the first fit, with a ``prior`` and a
     measured peak: the size where the line from the prior's fixed bytes through that peak
-    meets the capacity (the size above, when that is the one that fit).
+    meets the capacity (the size above, when that is the one that fit); if that fits and
+    nothing failed yet, the size above it.
     The prior's fixed bytes (weights, optimizer state) are taken as right and its slope as a
-    guess, so a prediction that was low by a few sizes costs one more trial; when that size
-    fits too, the size above it. From then on (or without a ``start``), ``fallback`` chooses.
+    guess, so a prediction that was low by a few sizes costs one more trial. From then on (or
+    without a ``start``), ``fallback`` chooses.
 
     >>> from autobatch._search import search
     >>> search(lambda n: Trial(n, fits=n <= 41), start=42, policy=Predicted()).sizes
@@ -447,7 +448,8 @@ class Predicted:
                 midpoint = state.midpoint()
                 assert midpoint is not None  # a failure bounds the bracket
                 return midpoint
-            return state.trials[0].size - ((1 << misses) - 1) * step
+            first = state.trials[0].size
+            return first - max((1 << misses) - 1, first * ((1 << misses) - 1) // 100) * step
         prior, capacity = state.prior, state.capacity_bytes
         if prior is None or capacity is None:
             return self.fallback.next_size(state)
@@ -458,7 +460,7 @@ class Predicted:
             assert last.peak_bytes is not None
             secant = LinearModel(prior.fixed, (last.peak_bytes - prior.fixed) / last.size)
             return max(secant.largest_within(capacity), last.size + step)
-        if len(fits) == 2 and last.fits and fits[0].peak_bytes is not None:
+        if len(fits) == 2 and last.fits and state.smallest_fail is None:
             return last.size + step  # the line's size fit: does the next one?
         return self.fallback.next_size(state)
 
