@@ -8,6 +8,7 @@ proves with the size next to it (:class:`~autobatch._search.Predicted`).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import random
 from collections.abc import Callable, Iterable
@@ -154,9 +155,12 @@ def search_batch_sizes(
                 plan=plan and not results, sync_ranks=sync_ranks, policy=policy, **options,
             )
             del sample
+            if seeded is not None:
+                note = f"started from batch {seeded[0]}, predicted from the lengths measured before"
+                result = dataclasses.replace(result, notes=(*result.notes, note))
             fixed = _fixed_bytes(results[max(results)] if results else result)
             results[length] = result
-            learned = _line_of(result, fixed)
+            learned = _line_of(result, fixed, sync=sync_ranks and _distributed.active())
             if learned is not None:
                 lines[length] = learned
         ordered = tuple(sorted(results))
@@ -239,21 +243,26 @@ def _fixed_bytes(longest: SearchResult) -> float:
     return 0.0 if longest.memory_model is None else longest.memory_model.fixed
 
 
-def _line_of(result: SearchResult, fixed: float) -> LinearModel | None:
+def _line_of(result: SearchResult, fixed: float, *, sync: bool) -> LinearModel | None:
     """The line through the peak at the largest size that fit, with the shared ``fixed``
     bytes (``None`` without a measured peak).
 
     Whatever else grows with the length (a mask, a workspace) leaves the shared fixed bytes a
     little off at other lengths; the line through the peak measured next to the capacity
     takes that into its slope, and is right where it matters, at the capacity. The longest
-    length's line is the search's own fit (through that peak, on a straight part).
+    length's line is the search's own fit (through that peak, on a straight part). With
+    ``sync``, the peak is the largest over the ranks (each rank's record holds its own), so
+    that every rank predicts the same next size.
     """
     point = next(
         (t for t in result.trials if t.fits and t.size == result.max_batch_size), None
     )
-    if point is None or point.peak_bytes is None:
+    peak = -1 if point is None or point.peak_bytes is None else point.peak_bytes
+    if sync:
+        peak = _distributed.all_max([peak])[0]
+    if peak < 0:
         return None
-    per_sample = (point.peak_bytes - fixed) / point.size
+    per_sample = (peak - fixed) / result.max_batch_size
     return LinearModel(fixed, per_sample) if per_sample > 0 else None
 
 

@@ -374,10 +374,12 @@ def test_predicted_policy_is_exact_from_any_start(start: int, multiple_of: int) 
 def _table_on_rank(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = transformer(d_model=16, layers=1)
-    with SimulatedGPU(["3MiB", "2MiB"][rank]) as gpu:
+    with SimulatedGPU("3MiB") as gpu:
         gpu.adopt(model)
+        held = torch.zeros(64 * 1024 * rank)  # rank 1 holds 256 KiB more: its peaks differ
         table = search_batch_sizes(model, _sample_for, [8, 16, 32], torch.optim.SGD,
                                    loss_fn=CE, headroom=0)
+        del held
     return {
         "sizes": [table.max_batch_size(n) for n in (8, 16, 32)],
         "trials": [(t.length, t.size) for t in table.trials],  # (each rank's own verdicts)
@@ -387,17 +389,19 @@ def _table_on_rank(rank: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_ranks_agree_on_every_length(tmp_path: Path) -> None:
-    """Two gloo ranks with different capacities: the same table (the smaller rank's), the
-    same trials in lockstep, parameters untouched."""
+    """Two gloo ranks, one holding more memory (so its peaks differ): the same table (the
+    fuller rank's), the same trials in lockstep, parameters untouched."""
     results = run_ranks(_table_on_rank, 2, tmp_path)
     assert results[0]["sizes"] == results[1]["sizes"]
     assert results[0]["trials"] == results[1]["trials"]
     torch.manual_seed(0)
     alone = transformer(d_model=16, layers=1)
-    with SimulatedGPU("2MiB") as gpu:
+    with SimulatedGPU("3MiB") as gpu:
         gpu.adopt(alone)
-        smaller = search_batch_sizes(alone, _sample_for, [8, 16, 32], torch.optim.SGD,
-                                     loss_fn=CE, headroom=0)
-    assert results[0]["sizes"] == [smaller.max_batch_size(n) for n in (8, 16, 32)]
+        held = torch.zeros(64 * 1024)
+        fuller = search_batch_sizes(alone, _sample_for, [8, 16, 32], torch.optim.SGD,
+                                    loss_fn=CE, headroom=0)
+        del held
+    assert results[0]["sizes"] == [fuller.max_batch_size(n) for n in (8, 16, 32)]
     for rank in results:
         assert rank["params"] == [p.detach().double().sum().item() for p in alone.parameters()]
