@@ -29,6 +29,7 @@ catches them would.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -302,15 +303,16 @@ def training_run(
         f"{sum(n == longest for n in lengths)} at the cap)",
         "",
         "| batches | steps | OOMs | samples trained | real tokens per step | padding | "
-        "real tokens per step / sampler's |",
+        "sampler's real tokens per step / this |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, got in runs.items():
-        tokens_per_step = got["real"] / max(got["steps"] - got["ooms"], 1)
+        tokens_per_step = got["real"] / max(got["steps"] - got["ooms"], 1)  # steps that ran
         pad_share = 1 - got["real"] / got["padded"] if got["padded"] else 0.0
         lines.append(
             f"| {label} | {got['steps']} | {got['ooms']} | {got['samples']} of {samples} | "
-            f"{tokens_per_step:.0f} | {pad_share:.0%} | {tokens_per_step / per_step:.2f} |"
+            f"{tokens_per_step:.0f} | {pad_share:.0%} | "
+            f"{per_step / tokens_per_step if tokens_per_step else math.inf:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
