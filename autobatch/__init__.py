@@ -1,4 +1,10 @@
-"""autobatch: the largest batch that fits, and training that survives running out of memory."""
+"""autobatch: the largest batch that fits, and training that survives running out of memory.
+
+:func:`find_max_batch` and :func:`search_batch_size` find the batch for one input shape;
+:func:`search_batch_sizes` one for every sequence length (a :class:`LengthTable`, for
+:class:`autobatch.data.MemoryAwareBatchSampler`); :func:`plan_max_batch` predicts without the
+device; :func:`retry_on_oom` and :func:`oom_guard` keep training alive when memory runs out.
+"""
 
 from __future__ import annotations
 
