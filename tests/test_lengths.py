@@ -3,6 +3,7 @@ and the pure pieces under it (predict_line, the Predicted policy)."""
 
 from __future__ import annotations
 
+import copy
 import doctest
 import json
 import random
@@ -179,6 +180,30 @@ def test_state_and_memory_are_as_before(searched: dict[str, Searched], name: str
     case = searched[name]
     assert _same(case.before, case.after)
     assert case.memory_after == case.memory_before
+
+
+def test_an_optimizer_with_state_and_gradients_is_put_back() -> None:
+    torch.manual_seed(0)
+    model = transformer(d_model=16, layers=1)
+    opt = torch.optim.AdamW(model.parameters(), weight_decay=0.1)
+    x, y = _sample_for(8)
+    _train_step(model, opt, x, y)
+    CE(model(x), y).backward()  # gradients left behind too
+    before = {**_everything(model), "opt": copy.deepcopy(opt.state_dict())}
+    kept = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model, opt)
+        memory_before = gpu.allocated_bytes
+        table = search_batch_sizes(model, _sample_for, [8, 16], opt, loss_fn=CE, headroom=0)
+        assert gpu.allocated_bytes == memory_before
+    after = opt.state_dict()
+    assert table.oom_trials >= 1
+    assert all(torch.equal(a, b) for a, b in zip(before["params"], _everything(model)["params"], strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(kept, model.parameters(), strict=True))
+    assert torch.equal(before["rng"], torch.get_rng_state())
+    assert before["opt"]["param_groups"] == after["param_groups"]
+    for index, state in before["opt"]["state"].items():
+        assert all(torch.equal(v, after["state"][index][k]) for k, v in state.items())
 
 
 def test_json_round_trip_and_repr(searched: dict[str, Searched]) -> None:
