@@ -138,7 +138,7 @@ def test_five_lengths_take_at_most_thirteen_trials(searched: dict[str, Searched]
     assert table.oom_trials == sum(not t.fits for t in table.trials)
 
 
-@pytest.mark.parametrize("name", ["transformer", pytest.param("gru", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_unmeasured_lengths_get_a_size_that_fits(searched: dict[str, Searched], name: str) -> None:
     case = searched[name]
     others = [n for n in range(1, max(LENGTHS)) if n not in LENGTHS]
@@ -412,7 +412,6 @@ def _table_on_rank(rank: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.slow
 def test_ranks_agree_on_every_length(tmp_path: Path) -> None:
     """Two gloo ranks, one holding more memory (so its peaks differ): the same table (the
     fuller rank's), the same trials in lockstep, parameters untouched."""
