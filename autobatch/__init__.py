@@ -1,4 +1,10 @@
-"""autobatch: the largest batch that fits, and training that survives running out of memory."""
+"""autobatch: the largest batch that fits, and training that survives running out of memory.
+
+:func:`find_max_batch` and :func:`search_batch_size` find the batch for one input shape;
+:func:`search_batch_sizes` one for every sequence length (a :class:`LengthTable`, for
+:class:`autobatch.data.MemoryAwareBatchSampler`); :func:`plan_max_batch` predicts without the
+device; :func:`retry_on_oom` and :func:`oom_guard` keep training alive when memory runs out.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,11 @@ from autobatch._backends import free_memory
 from autobatch._batch import per_batch
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import find_max_batch, search_batch_size
+from autobatch._lengths import search_batch_sizes
 from autobatch._oom import is_oom_error, is_size_limit_error
 from autobatch._planner import Plan, PlanBreakdown, plan_max_batch
 from autobatch._recovery import RecoveryStats, oom_guard, retry_on_oom
-from autobatch._result import SearchResult
+from autobatch._result import LengthTable, SearchResult
 from autobatch._throughput import ThroughputResult, find_best_batch
 from autobatch._version import __version__ as __version__
 
@@ -20,6 +27,7 @@ logging.getLogger("autobatch").addHandler(logging.NullHandler())
 __all__ = [
     "AutobatchError",
     "BatchSizeError",
+    "LengthTable",
     "Plan",
     "PlanBreakdown",
     "RecoveryStats",
@@ -35,4 +43,5 @@ __all__ = [
     "plan_max_batch",
     "retry_on_oom",
     "search_batch_size",
+    "search_batch_sizes",
 ]

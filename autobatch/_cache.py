@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ from torch import nn
 from autobatch import _batch
 from autobatch._backends import DeviceMemory, restore_rng_states, save_rng_states
 from autobatch._log import user_stacklevel
-from autobatch._result import result_from_dict, result_to_dict
+from autobatch._result import LengthTable, result_from_dict, result_to_dict
 from autobatch._validate import is_sample_factory
 
 if TYPE_CHECKING:
@@ -493,6 +493,18 @@ def search_key(
     )
 
 
+def table_key(keys: Mapping[int, str]) -> str:
+    """The key of a search over lengths, from the :func:`search_key` of each length's search:
+    another length, or another sample at one, is another table.
+
+    >>> table_key({128: "a" * 64, 512: "b" * 64}) == table_key({512: "b" * 64, 128: "a" * 64})
+    True
+    """
+    document = {"format": FORMAT, "lengths": [[n, keys[n]] for n in sorted(keys)]}
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def cached_search(
     store: ResultCache | None,
     key: Callable[[], str],
@@ -502,6 +514,29 @@ def cached_search(
     one, else ``run()``'s result (stored) and None. ``key`` is called only when ``store`` is set.
     A stored entry that does not parse as a result is a miss, with a warning.
     """
+    return _cached(store, key, run, result_to_dict, result_from_dict)
+
+
+def cached_table(
+    store: ResultCache | None,
+    key: Callable[[], str],
+    run: Callable[[], LengthTable],
+) -> tuple[LengthTable, Path | None]:
+    """:func:`cached_search` for the table of a search over lengths (see :func:`table_key`)."""
+    return _cached(store, key, run, LengthTable.to_dict, LengthTable.from_dict)
+
+
+_Record = TypeVar("_Record", "SearchResult", LengthTable)
+
+
+def _cached(
+    store: ResultCache | None,
+    key: Callable[[], str],
+    run: Callable[[], _Record],
+    encode: Callable[[_Record], dict[str, Any]],
+    decode: Callable[[Mapping[str, Any]], _Record],
+) -> tuple[_Record, Path | None]:
+    result: _Record
     if store is None:
         return run(), None
     try:
@@ -519,7 +554,7 @@ def cached_search(
     stored = store.get(name)
     if stored is not None:
         try:
-            result = result_from_dict(stored)
+            result = decode(stored)
         except ValueError as error:
             warnings.warn(
                 f"autobatch cache: ignoring {file} ({error}); measuring again", stacklevel=2
@@ -528,5 +563,5 @@ def cached_search(
             note = f"from the cache ({file}); cache=False measures again"
             return replace(result, notes=(*result.notes, note)), file
     result = run()
-    store.put(name, result_to_dict(result))
+    store.put(name, encode(result))
     return result, None

@@ -20,7 +20,7 @@ from autobatch._measure import per_operator_possible
 from autobatch._oom import oom_kind
 from autobatch._progress import OnTrial, watching
 from autobatch._result import SearchResult
-from autobatch._search import LinearModel, Trial, recommend, search
+from autobatch._search import LinearModel, SearchPolicy, Trial, recommend, search
 from autobatch._trial import TrialRunner, prepared
 from autobatch._units import format_bytes
 from autobatch._validate import check_module, check_search_options
@@ -135,8 +135,10 @@ def _measured_search(
     plan: bool,
     sync_ranks: bool,
     on_trial: OnTrial | None = None,
+    policy: SearchPolicy | None = None,
 ) -> SearchResult:
-    """The search itself, with real trials (the cache, if any, wraps it)."""
+    """The search itself, with real trials (the cache, if any, wraps it); ``policy`` chooses
+    the sizes (default: the engine's)."""
     make_batch = batch_factory(sample, target)
     notes: list[str] = []
     if train and optimizer is None and step_fn is None:
@@ -205,6 +207,7 @@ def _measured_search(
             capacity_bytes=budget if memory.has_statistics else None,
             start=start,
             prior=prior,
+            policy=policy,
         )
         if outcome.largest_fit is None:
             raise _nothing_fits(runner.records, min_batch, budget, memory.name, outcome.model)
@@ -217,6 +220,7 @@ def _measured_search(
             multiple_of=multiple_of,
             min_size=min_batch,
             probe=probe,
+            prior=prior,
         )
     if headroom and memory.has_statistics:
         measured = [

@@ -1,4 +1,5 @@
-"""The record of a search, :class:`SearchResult`, and its JSON form (what the cache stores).
+"""The record of a search, :class:`SearchResult`, and its JSON form (what the cache stores); the
+record of a search over lengths, :class:`LengthTable`.
 
 Above trial measurement and below the front-ends: the finder makes one, the cache stores and
 reads it back (checked field by field), the plot draws it.
@@ -6,11 +7,13 @@ reads it back (checked field by field), the plot draws it.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from autobatch._errors import AutobatchError
 from autobatch._search import LinearModel, Trial
 from autobatch._units import format_bytes
 
@@ -234,3 +237,171 @@ def result_from_dict(data: Mapping[str, Any]) -> SearchResult:
         )
     except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as error:
         raise ValueError(f"not a stored search result: {error}") from None
+
+
+@dataclass(frozen=True)
+class LengthTrial:
+    """One trial of :func:`~autobatch.search_batch_sizes`: the length it ran at, and the trial.
+
+    >>> print(LengthTrial(512, Trial(16, fits=False, error="cuda_allocator")))
+    length    512, batch     16: OOM (cuda_allocator), 0.00 s
+    """
+
+    length: int
+    trial: Trial
+
+    @property
+    def size(self) -> int:
+        """The batch size tried."""
+        return self.trial.size
+
+    @property
+    def fits(self) -> bool:
+        """Whether the trial ran to completion."""
+        return self.trial.fits
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Its measured peak (``None`` for a failure, or without memory statistics)."""
+        return self.trial.peak_bytes
+
+    def __str__(self) -> str:
+        return f"length {self.length:>6}, {self.trial}"
+
+
+@dataclass(frozen=True)
+class LengthTable:
+    """What :func:`~autobatch.search_batch_sizes` found: a batch size for every length.
+
+    ``results[i]`` is the search at ``lengths[i]`` (ascending), exact like
+    :func:`~autobatch.search_batch_size`'s. :meth:`batch_size` answers for any length up to
+    the longest measured one, with the size measured at the next length up (memory grows with
+    the length); :meth:`max_batch_size` only for a measured length. Pass the table to
+    :class:`~autobatch.data.MemoryAwareBatchSampler`.
+
+    >>> def measured(size: int) -> SearchResult:
+    ...     return SearchResult(size, size, (Trial(size, True),), None, 2**30, "cuda:0", 0.0,
+    ...                         True, True)
+    >>> table = LengthTable((128, 512), (measured(64), measured(12)))
+    >>> table.batch_size(100), table.batch_size(128), table.batch_size(129)
+    (64, 64, 12)
+
+    Args:
+        lengths: the measured lengths, ascending.
+        results: the search at each length, in the same order.
+        notes: what applies to the whole table (the cache, say).
+    """
+
+    lengths: tuple[int, ...]
+    results: tuple[SearchResult, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.lengths or len(self.lengths) != len(self.results):
+            raise ValueError(
+                f"a LengthTable needs one result per length, got {len(self.lengths)} lengths "
+                f"and {len(self.results)} results"
+            )
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.lengths):
+            raise ValueError(f"lengths must be positive ints, got {self.lengths!r}")
+        if list(self.lengths) != sorted(set(self.lengths)):
+            raise ValueError(f"lengths must be distinct and ascending, got {self.lengths!r}")
+
+    def _index(self, length: int) -> int:
+        """The position of the shortest measured length at least ``length``."""
+        if isinstance(length, bool) or not hasattr(length, "__index__"):
+            raise TypeError(f"length must be an int, got {length!r} ({type(length).__name__})")
+        length = length.__index__()
+        if length < 0:
+            raise ValueError(f"length must be at least 0, got {length}")
+        longest = self.lengths[-1]
+        if length > longest:
+            raise AutobatchError(
+                f"length {length} is above the longest measured length {longest}; search it "
+                "too (add it to lengths), or truncate such samples"
+            )
+        return bisect.bisect_left(self.lengths, length)
+
+    def batch_size(self, length: int) -> int:
+        """The recommended batch size for samples of ``length`` (any length up to the longest
+        measured): the one measured at the next length up, or at ``length`` itself.
+
+        Raises:
+            AutobatchError: ``length`` is above the longest measured length.
+        """
+        return self.results[self._index(length)].batch_size
+
+    def max_batch_size(self, length: int) -> int:
+        """The exact largest batch that fits at a measured ``length`` (it ran; one more did not,
+        or is the cap).
+
+        Raises:
+            AutobatchError: ``length`` was not measured.
+        """
+        return self.result(length).max_batch_size
+
+    def result(self, length: int) -> SearchResult:
+        """The search at a measured ``length``.
+
+        Raises:
+            AutobatchError: ``length`` was not measured.
+        """
+        index = self._index(length)
+        if self.lengths[index] != length:
+            raise AutobatchError(
+                f"length {length} was not measured (measured: {list(self.lengths)}); "
+                f"batch_size({length}) gives the size measured at the next length up"
+            )
+        return self.results[index]
+
+    @property
+    def trials(self) -> tuple[LengthTrial, ...]:
+        """Every trial, in the order they ran (the longest length first)."""
+        return tuple(
+            LengthTrial(length, trial)
+            for length, result in reversed(list(zip(self.lengths, self.results, strict=True)))
+            for trial in result.trials
+        )
+
+    @property
+    def oom_trials(self) -> int:
+        """How many trials failed, over all lengths."""
+        return sum(result.oom_trials for result in self.results)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the table (see :meth:`from_dict`)."""
+        return {
+            "lengths": list(self.lengths),
+            "results": [result_to_dict(result) for result in self.results],
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LengthTable:
+        """The table :meth:`to_dict` wrote; ``ValueError`` when ``data`` is not one."""
+        try:
+            lengths = tuple(_field(data, "lengths", list))
+            results = tuple(result_from_dict(r) for r in _field(data, "results", list))
+            notes = _field(data, "notes", list)
+            if not all(isinstance(note, str) for note in notes):
+                raise ValueError("a note is not a string")
+            return cls(lengths, results, tuple(notes))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"not a stored length table: {error}") from None
+
+    def __repr__(self) -> str:
+        first = self.results[0]
+        lines = [
+            f"LengthTable(device={first.device!r}, capacity={format_bytes(first.capacity_bytes)}, "
+            f"headroom={first.headroom:g}, lengths={len(self.lengths)}, "
+            f"trials={sum(len(r.trials) for r in self.results)}, oom_trials={self.oom_trials})"
+        ]
+        lines += [
+            f"  length {length:>6}: batch {result.batch_size:>6} (largest {result.max_batch_size}),"
+            f" {len(result.trials)} trials"
+            for length, result in zip(self.lengths, self.results, strict=True)
+        ]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    __str__ = __repr__

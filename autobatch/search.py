@@ -1,10 +1,11 @@
 """Searching for the batch size: the finder, its record, and the pure search engine under it.
 
 :func:`search_batch_size` (and :func:`find_max_batch`) run real steps at the sizes the engine
-chooses. The engine itself (:func:`search`, :func:`recommend`, the policies :class:`ModelGuided`
-and :class:`Exponential`, the :class:`Trial` record and the :class:`LinearModel` fitted to
-trials) is pure logic: it asks a ``probe(size) -> Trial`` and never touches torch, so it can
-search anything whose cost grows with a size.
+chooses. The engine itself (:func:`search`, :func:`recommend`, the policies :class:`ModelGuided`,
+:class:`Exponential` and :class:`Predicted`, the :class:`Trial` record, the
+:class:`LinearModel` fitted to trials and :func:`predict_line` across sequence lengths) is pure
+logic: it asks a ``probe(size) -> Trial`` and never touches torch, so it can search anything
+whose cost grows with a size.
 
 >>> from autobatch.search import Trial, search
 >>> search(lambda n: Trial(n, fits=n <= 37)).largest_fit

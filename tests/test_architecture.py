@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_trial",),
     ("_result", "_plot", "_progress"),
     ("_cache",),
-    ("_finder", "_planner", "_throughput", "_recovery", "data"),
+    ("_finder", "_lengths", "_planner", "_throughput", "_recovery", "data"),
     ("search", "integrations", "cli", "__main__", "__init__"),
 ]
 LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}

@@ -6,14 +6,17 @@ wraps its workload in a ``probe(size) -> Trial`` and lets :func:`search` choose 
 The engine keeps one bracket (largest size known to fit, smallest size known to fail) and asks a
 policy object for the next size; the engine snaps that size onto the grid strictly inside the
 bracket, so no policy can probe outside the grid, probe a size twice, or stop before the answer is
-exact. Two policies ship: :class:`ModelGuided` (the default; it fits ``peak(n) = a + b*n`` to the
-measured peaks and jumps to the predicted largest size) and :class:`Exponential` (double, then
-bisect; used whenever there are no memory statistics).
+exact. Three policies ship: :class:`ModelGuided` (the default; it fits ``peak(n) = a + b*n`` to
+the measured peaks and jumps to the predicted largest size), :class:`Exponential` (double, then
+bisect; used whenever there are no memory statistics) and :class:`Predicted` (a predicted size
+and its neighbour, e.g. at a sequence length whose line :func:`predict_line` drew from the
+lengths measured before).
 """
 
 from __future__ import annotations
 
 from autobatch._search._engine import recommend, search
+from autobatch._search._lengths import predict_line
 from autobatch._search._model import (
     UNBOUNDED_MAX_SIZE,
     LinearModel,
@@ -25,6 +28,7 @@ from autobatch._search._model import (
 from autobatch._search._policies import (
     Exponential,
     ModelGuided,
+    Predicted,
     SearchOutcome,
     SearchPolicy,
     SearchState,
@@ -36,6 +40,7 @@ __all__ = [
     "Exponential",
     "LinearModel",
     "ModelGuided",
+    "Predicted",
     "SearchOutcome",
     "SearchPolicy",
     "SearchState",
@@ -43,6 +48,7 @@ __all__ = [
     "binding_points",
     "extrapolate",
     "fit_linear",
+    "predict_line",
     "recommend",
     "search",
     "trusted_curve",

@@ -172,6 +172,7 @@ def recommend(
     probe: Callable[[int], Trial] | None = None,
     reserved_bytes: int = 0,
     max_probes: int = 6,
+    prior: LinearModel | None = None,
 ) -> int:
     """The largest grid size at most ``outcome.largest_fit`` that leaves ``headroom`` of memory free.
 
@@ -204,6 +205,9 @@ def recommend(
         reserved_bytes: bytes the peaks do not include but the capacity must hold (a plan's
             overhead).
         max_probes: the most sizes probed.
+        prior: a memory model predicted before the search (see :func:`search`): its slope,
+            through the largest measured peak, predicts the size when the trials measured
+            one size only (a ``start`` proven in two trials).
     """
     check_int("multiple_of", multiple_of, minimum=1)
     check_int("min_size", min_size, minimum=1)
@@ -232,7 +236,7 @@ def recommend(
             size = math.floor((1 - headroom) * largest)
         return max(smallest, min(size // multiple_of * multiple_of, top))
     target = math.floor((1 - headroom) * capacity_bytes) - reserved_bytes
-    return _Settling(trials, target, smallest, top, multiple_of).run(probe, max_probes)
+    return _Settling(trials, target, smallest, top, multiple_of, prior).run(probe, max_probes)
 
 
 class _Settling:
@@ -240,11 +244,13 @@ class _Settling:
     between the sizes measured within it and those measured above it."""
 
     def __init__(
-        self, trials: list[Trial], target: int, smallest: int, top: int, step: int
+        self, trials: list[Trial], target: int, smallest: int, top: int, step: int,
+        prior: LinearModel | None = None,
     ) -> None:
         self.trials = trials
         self.target = target
         self.smallest, self.top, self.step = smallest, top, step
+        self.prior = prior
 
     def bounds(self) -> tuple[int | None, int]:
         """(largest grid size measured within the target, smallest size known above it)."""
@@ -266,6 +272,9 @@ class _Settling:
         target = max(math.floor(self.target / fragmentation(self.trials)), 1)
         points = binding_points(self.trials, target)
         model = fit_linear(points)
+        if model is None and self.prior is not None and len({n for n, _ in points}) == 1:
+            size, peak = max(points)  # one size measured: the prior's slope through its peak
+            model = LinearModel(peak - self.prior.per_sample * size, self.prior.per_sample)
         if model is None:
             return None
         return model.largest_within(target)

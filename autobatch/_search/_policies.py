@@ -423,6 +423,64 @@ class ModelGuided:
         return max(granularity, fit.residual)
 
 
+@dataclass(frozen=True)
+class Predicted:
+    """Trust a predicted size: probe ``start``, then let the trial settle it.
+
+    After a failure the size below is tried, so a prediction one size too high is proven
+    exact in two trials; if that fails too, 3 (or 3%) then 7 (or 7%) below the prediction,
+    then the geometric middle of what is left, until one fits. After the first fit, with a ``prior`` and a
+    measured peak: the size where the line from the prior's fixed bytes through that peak
+    meets the capacity (the size above, when that is the one that fit); if that fits and
+    nothing failed yet, the size above it.
+    The prior's fixed bytes (weights, optimizer state) are taken as right and its slope as a
+    guess, so a prediction that was low by a few sizes costs one more trial. From then on (or
+    without a ``start``), ``fallback`` chooses.
+
+    >>> from autobatch._search import search
+    >>> search(lambda n: Trial(n, fits=n <= 41), start=42, policy=Predicted()).sizes
+    (42, 41)
+    >>> search(lambda n: Trial(n, fits=n <= 30), start=42, policy=Predicted()).sizes
+    (42, 41, 39, 35, 5, 13, 24, 29, 32, 30, 31)
+    >>> peak = lambda n: 1_000_000 + 10_000 * n  # bytes
+    >>> probe = lambda n: Trial(n, fits=peak(n) <= 2_000_000, peak_bytes=peak(n))
+    >>> guess = LinearModel(1_000_000, 11_000)  # the slope 10% off
+    >>> search(probe, capacity_bytes=2_000_000, start=90, prior=guess, policy=Predicted()).sizes
+    (90, 100, 101)
+
+    Args:
+        fallback: the policy after the first two trials, or after a failure below them.
+    """
+
+    fallback: ModelGuided = ModelGuided()
+
+    def next_size(self, state: SearchState) -> int:
+        if state.start is None or not state.trials:
+            return self.fallback.next_size(state)
+        step = state.multiple_of
+        if state.largest_fit is None:  # every trial failed: the prediction was high
+            misses = len(state.trials)
+            if misses > 3:  # by far: halve the bracket, geometrically
+                midpoint = state.midpoint()
+                assert midpoint is not None  # a failure bounds the bracket
+                return midpoint
+            first = state.trials[0].size
+            return first - max((1 << misses) - 1, first * ((1 << misses) - 1) // 100) * step
+        prior, capacity = state.prior, state.capacity_bytes
+        if prior is None or capacity is None:
+            return self.fallback.next_size(state)
+        fits = [t for t in state.trials if t.fits]
+        last = state.trials[-1]
+        if len(fits) == 1 and last.fits and (last.peak_bytes or 0) > prior.fixed:
+            # the first fit: where the line from the fixed bytes through its peak ends
+            assert last.peak_bytes is not None
+            secant = LinearModel(prior.fixed, (last.peak_bytes - prior.fixed) / last.size)
+            return max(secant.largest_within(capacity), last.size + step)
+        if len(fits) == 2 and last.fits and state.smallest_fail is None:
+            return last.size + step  # the line's size fit: does the next one?
+        return self.fallback.next_size(state)
+
+
 class _Bracket:
     """The search's grid and bracket, in sizes."""
 

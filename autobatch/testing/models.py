@@ -1,5 +1,6 @@
 """Small real models for tests, benchmarks and the demo: an MLP, a conv net with BatchNorm and a
-transformer, each with a matching ``sample(n)`` that makes a labelled batch of ``n`` rows."""
+transformer, each with a matching ``sample(n)`` that makes a labelled batch of ``n`` rows; and a
+GRU, which like the transformer reads token sequences of any length (:func:`tokens`)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,36 @@ class TinyTransformer(nn.Module):
 def transformer(vocab: int = 1000, d_model: int = 64, layers: int = 2) -> nn.Module:
     """A small transformer encoder classifier for token sequences."""
     return TinyTransformer(vocab=vocab, d_model=d_model, layers=layers)
+
+
+class TinyGRU(nn.Module):
+    """A token classifier: embedding, a one-layer ``nn.GRU`` and a linear head on its last
+    step."""
+
+    def __init__(
+        self, vocab: int = 1000, embed: int = 32, hidden: int = 64, classes: int = 10
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        self.gru = nn.GRU(embed, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        states, _ = self.gru(self.embed(tokens))
+        out: torch.Tensor = self.head(states[:, -1])
+        return out
+
+
+def gru(vocab: int = 1000, embed: int = 32, hidden: int = 64) -> nn.Module:
+    """A small GRU classifier for token sequences."""
+    return TinyGRU(vocab=vocab, embed=embed, hidden=hidden)
+
+
+def tokens(
+    n: int, length: int, vocab: int = 1000, classes: int = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` random token sequences of ``length`` and their labels."""
+    return torch.randint(0, vocab, (n, length)), torch.randint(0, classes, (n,))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,273 @@
+"""``search_batch_sizes``: the largest batch at each sequence length, exact, in few trials.
+
+A thin front-end over the finder's search (:func:`~autobatch.search_batch_size`): the longest
+length is searched as usual; every shorter one starts from the size that the memory lines
+measured so far predict there (:func:`~autobatch._search.predict_line`), which the engine then
+proves with the size next to it (:class:`~autobatch._search.Predicted`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from autobatch import _distributed
+from autobatch._backends import DeviceLike, memory_for, restore_rng_states, save_rng_states
+from autobatch._cache import CacheOption, cached_table, open_cache, search_key, table_key
+from autobatch._errors import AutobatchError
+from autobatch._finder import _measured_search
+from autobatch._log import get_logger
+from autobatch._result import LengthTable, SearchResult
+from autobatch._search import LinearModel, Predicted, SearchPolicy, predict_line
+from autobatch._validate import check_module, check_search_options
+from autobatch._workload import (
+    DEFAULT_HEADROOM,
+    LossFn,
+    OptimizerLike,
+    Sample,
+    StepFn,
+    model_device,
+)
+
+logger = get_logger("lengths")
+
+
+class _LengthsError(AutobatchError, ValueError):
+    """A ``lengths`` that cannot be searched (empty, a length below 1, one given twice)."""
+
+
+class _SampleForError(AutobatchError, TypeError):
+    """A ``sample_for`` that is not a function of a length."""
+
+
+def search_batch_sizes(
+    model: nn.Module,
+    sample_for: Callable[[int], Sample],
+    lengths: Iterable[int],
+    optimizer: OptimizerLike = None,
+    *,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    train: bool = True,
+    device: DeviceLike = None,
+    min_batch: int = 1,
+    max_batch: int | None = None,
+    multiple_of: int = 1,
+    headroom: float = DEFAULT_HEADROOM,
+    steps_per_trial: int = 1,
+    scaler: Any = None,
+    start: int | None = None,
+    prior: LinearModel | None = None,
+    plan: bool = False,
+    sync_ranks: bool = True,
+    cache: CacheOption = False,
+) -> LengthTable:
+    """The largest batch that fits, and the recommended one, at each of several sequence
+    lengths, with real steps; a table that gives a batch size for any length up to the longest.
+
+    Each length is searched as :func:`~autobatch.search_batch_size` searches one, and its
+    answer is as exact (the largest size ran, the next size up ran out of memory or is
+    ``max_batch``). The longest length goes first, with the usual search. Every shorter one
+    starts from a prediction: the memory lines of the lengths measured so far (a step's peak
+    is affine in the batch at a fixed length, and its bytes per sample a polynomial of degree
+    at most 2 in the length), drawn through the nearest of them; a trial at the predicted size
+    and one at the size next to it prove it. With ``headroom=0`` five lengths take about
+    ``2 * 5 + 3`` trials; with headroom each length has one more, measuring the recommended
+    size's own peak. Afterwards the model, optimizer, RNG streams and device memory are
+    exactly as before.
+
+    ``table.batch_size(length)`` is the recommended size measured at the shortest measured
+    length at least ``length`` (memory grows with the length, so it fits), and an
+    :class:`AutobatchError` above the longest; ``table.max_batch_size(length)`` the exact
+    largest at a measured length. Give the table to
+    :class:`~autobatch.data.MemoryAwareBatchSampler`.
+
+    >>> import torch
+    >>> from autobatch.testing import SimulatedGPU
+    >>> from autobatch.testing.models import transformer
+    >>> model = transformer(d_model=16, layers=1)
+    >>> def tokens(length):
+    ...     return torch.randint(0, 1000, (2, length)), torch.randint(0, 10, (2,))
+    >>> with SimulatedGPU("1MiB", adopt=[model]):
+    ...     table = search_batch_sizes(model, tokens, [8, 16, 32], torch.optim.SGD, headroom=0)
+    >>> table.max_batch_size(8) > table.batch_size(20) == table.max_batch_size(32)
+    True
+
+    Args:
+        model: The module to train, already on its device.
+        sample_for: ``sample_for(length)``: a sample at that length, as ``sample`` in
+            :func:`~autobatch.search_batch_size` (a few rows, or a callable ``n -> batch``).
+            Called once per length (and once more per length for the cache key), with the
+            random number generators saved and put back.
+        lengths: The lengths to measure: positive ints, each once, in any order. Include the
+            longest your data holds.
+        optimizer, loss_fn, step_fn, train, device, min_batch, max_batch, multiple_of,
+            headroom, steps_per_trial, scaler, sync_ranks: As for
+            :func:`~autobatch.search_batch_size`, at every length.
+        start, prior, plan: As for :func:`~autobatch.search_batch_size`, for the longest length
+            (the others start from the prediction).
+        cache: As for :func:`~autobatch.search_batch_size`: the key holds every length and the
+            per-row shapes and dtypes of each length's sample.
+
+    Raises:
+        AutobatchError: ``lengths`` is empty, holds a length below 1 or one twice, or
+            ``sample_for`` is not callable (these are also ``ValueError`` and ``TypeError``).
+        BatchSizeError: Even ``min_batch`` does not fit at some length.
+    """
+    measured = _check_lengths(lengths)
+    if not callable(sample_for) or isinstance(sample_for, nn.Module):
+        raise _SampleForError(
+            "sample_for must be a function of a length that returns a sample at that length, "
+            f"e.g. lambda length: torch.randint(0, vocab, (2, length)); got "
+            f"{type(sample_for).__name__}"
+        )
+    check_search_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
+    check_module("model", model)
+    target = model_device(model, device)
+    memory = memory_for(target)
+    store = open_cache(cache)
+    options: dict[str, Any] = {
+        "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "min_batch": min_batch,
+        "max_batch": max_batch, "multiple_of": multiple_of, "headroom": headroom,
+        "steps_per_trial": steps_per_trial, "scaler": scaler,
+    }
+
+    def measure() -> LengthTable:
+        results: dict[int, SearchResult] = {}
+        lines: dict[int, LinearModel] = {}
+        for length in sorted(measured, reverse=True):
+            seeded = _seed(results, lines, length)
+            policy: SearchPolicy | None = None
+            if seeded is None:  # the longest, or no statistics to predict from
+                first = not results
+                begin = start if first else _known_to_fit(results)
+                line = prior if first else None
+            else:
+                begin, line, policy = seeded[0], seeded[1], Predicted()
+            sample = _sample_at(sample_for, length)
+            result = _measured_search(
+                model, sample, optimizer, target, memory, start=begin, prior=line,
+                plan=plan and not results, sync_ranks=sync_ranks, policy=policy, **options,
+            )
+            del sample
+            if seeded is not None:
+                note = f"started from batch {seeded[0]}, predicted from the lengths measured before"
+                result = dataclasses.replace(result, notes=(*result.notes, note))
+            fixed = _fixed_bytes(results[max(results)] if results else result)
+            results[length] = result
+            learned = _line_of(result, fixed, sync=sync_ranks and _distributed.active())
+            if learned is not None:
+                lines[length] = learned
+        ordered = tuple(sorted(results))
+        table = LengthTable(ordered, tuple(results[n] for n in ordered))
+        logger.info(
+            "searched %d lengths in %d trials (%d out of memory)",
+            len(ordered), len(table.trials), table.oom_trials,
+        )
+        return table
+
+    if store is None or (sync_ranks and _distributed.active()):
+        return measure()
+
+    def key() -> str:
+        return table_key({
+            length: search_key(model, _sample_at(sample_for, length), optimizer, memory, **options)
+            for length in measured
+        })
+
+    return cached_table(store, key, measure)[0]
+
+
+def _check_lengths(lengths: Iterable[int]) -> tuple[int, ...]:
+    """The lengths as ints, checked: at least one, each at least 1, none twice."""
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+        raise _LengthsError(
+            f"lengths must be a list of sequence lengths, e.g. [128, 512, 2048]; got {lengths!r}"
+        )
+    if hasattr(lengths, "tolist"):  # a tensor or an array
+        lengths = lengths.tolist()
+    checked: list[int] = []
+    for value in lengths:
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise _LengthsError(
+                f"every length must be an int, got {value!r} ({type(value).__name__})"
+            )
+        length = operator.index(value)
+        if length < 1:
+            raise _LengthsError(f"every length must be at least 1, got {length}")
+        if length in checked:
+            raise _LengthsError(f"length {length} is given twice; give each length once")
+        checked.append(length)
+    if not checked:
+        raise _LengthsError(
+            "lengths is empty; give the sequence lengths to measure, e.g. [128, 512, 2048]"
+        )
+    return tuple(checked)
+
+
+def _sample_at(sample_for: Callable[[int], Sample], length: int) -> Sample:
+    """``sample_for(length)``, with the random number generators saved and put back."""
+    torch_rng, python_rng = save_rng_states(), random.getstate()
+    try:
+        return sample_for(length)
+    finally:
+        restore_rng_states(torch_rng)
+        random.setstate(python_rng)
+
+
+def _seed(
+    results: dict[int, SearchResult], lines: dict[int, LinearModel], length: int
+) -> tuple[int, LinearModel] | None:
+    """The predicted largest size at ``length`` and its line, from the lines measured so far;
+    ``None`` without any (the first length, or a device without memory statistics)."""
+    if not lines:
+        return None
+    line = predict_line(lines, length)
+    if line is None:
+        return None
+    capacity = next(iter(results.values())).capacity_bytes
+    # a quarter of a sample over where the line meets the capacity: a prediction that lands
+    # on the largest fit or one above it is proven in two trials, a low one in three, a
+    # higher one in more
+    size = line.largest_within(capacity + line.per_sample / 4)
+    return max(size, 1), line
+
+
+def _fixed_bytes(longest: SearchResult) -> float:
+    """The fixed bytes every length's line shares: those of the longest length's line."""
+    return 0.0 if longest.memory_model is None else longest.memory_model.fixed
+
+
+def _line_of(result: SearchResult, fixed: float, *, sync: bool) -> LinearModel | None:
+    """The line through the peak at the largest size that fit, with the shared ``fixed``
+    bytes (``None`` without a measured peak).
+
+    Whatever else grows with the length (a mask, a workspace) leaves the shared fixed bytes a
+    little off at other lengths; the line through the peak measured next to the capacity
+    takes that into its slope, and is right where it matters, at the capacity. The longest
+    length's line is the search's own fit (through that peak, on a straight part). With
+    ``sync``, the peak is the largest over the ranks (each rank's record holds its own), so
+    that every rank predicts the same next size.
+    """
+    point = next(
+        (t for t in result.trials if t.fits and t.size == result.max_batch_size), None
+    )
+    peak = -1 if point is None or point.peak_bytes is None else point.peak_bytes
+    if sync:
+        peak = _distributed.all_max([peak])[0]
+    if peak < 0:
+        return None
+    per_sample = (peak - fixed) / result.max_batch_size
+    return LinearModel(fixed, per_sample) if per_sample > 0 else None
+
+
+def _known_to_fit(results: dict[int, SearchResult]) -> int:
+    """The largest size that fit at the shortest length measured so far: it fits at any
+    shorter one."""
+    return results[min(results)].max_batch_size
+
