@@ -22,6 +22,7 @@ from autobatch._cache import CacheOption, cached_table, open_cache, search_key, 
 from autobatch._errors import AutobatchError
 from autobatch._finder import _measured_search
 from autobatch._log import get_logger
+from autobatch._progress import OnTrial, watching
 from autobatch._result import LengthTable, SearchResult
 from autobatch._search import LinearModel, Predicted, SearchPolicy, predict_line
 from autobatch._validate import check_module, check_search_options
@@ -66,6 +67,8 @@ def search_batch_sizes(
     plan: bool = False,
     sync_ranks: bool = True,
     cache: CacheOption = False,
+    on_trial: OnTrial | None = None,
+    progress: bool = False,
 ) -> LengthTable:
     """The largest batch that fits, and the recommended one, at each of several sequence
     lengths, with real steps; a table that gives a batch size for any length up to the longest.
@@ -107,8 +110,9 @@ def search_batch_sizes(
         lengths: The lengths to measure: positive ints, each once, in any order. Include the
             longest your data holds.
         optimizer, loss_fn, step_fn, train, device, min_batch, max_batch, multiple_of,
-            headroom, steps_per_trial, scaler, sync_ranks: As for
-            :func:`~autobatch.search_batch_size`, at every length.
+            headroom, steps_per_trial, scaler, sync_ranks, on_trial, progress: As for
+            :func:`~autobatch.search_batch_size`, at every length (``on_trial`` and
+            ``progress`` see every length's trials, longest length first).
         start, prior, plan: As for :func:`~autobatch.search_batch_size`, for the longest length
             (the others start from the prediction).
         cache: As for :func:`~autobatch.search_batch_size`: the key holds every length and the
@@ -152,7 +156,8 @@ def search_batch_sizes(
             sample = _sample_at(sample_for, length)
             result = _measured_search(
                 model, sample, optimizer, target, memory, start=begin, prior=line,
-                plan=plan and not results, sync_ranks=sync_ranks, policy=policy, **options,
+                plan=plan and not results, sync_ranks=sync_ranks, policy=policy,
+                on_trial=each_trial, **options,
             )
             del sample
             if seeded is not None:
@@ -171,16 +176,16 @@ def search_batch_sizes(
         )
         return table
 
-    if store is None or (sync_ranks and _distributed.active()):
-        return measure()
-
     def key() -> str:
         return table_key({
             length: search_key(model, _sample_at(sample_for, length), optimizer, memory, **options)
             for length in measured
         })
 
-    return cached_table(store, key, measure)[0]
+    with watching(on_trial, progress) as each_trial:
+        if store is None or (sync_ranks and _distributed.active()):
+            return measure()
+        return cached_table(store, key, measure)[0]
 
 
 def _check_lengths(lengths: Iterable[int]) -> tuple[int, ...]:

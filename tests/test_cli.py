@@ -82,6 +82,10 @@ MODELS = textwrap.dedent(
         return NextToken()
 
 
+    def tokens_at(length):
+        return torch.randint(0, 1000, (2, length), generator=torch.Generator().manual_seed(0))
+
+
     def masked_tokens():
         ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
@@ -571,3 +575,47 @@ def test_plan_of_a_hugging_face_model_with_an_attention_mask_warns_and_plans(
     assert "Tensor.item()" in captured.err
     assert "predicted largest batch:" in captured.out
     assert "planned from" in captured.out  # the note says how
+
+
+def test_find_at_lengths_prints_a_table_then_uses_the_cache(workdir: Path) -> None:
+    tokens = ["--model", "tinymodels:next_token", "--sample-shape", "32", "--dtype", "int64",
+              "--labels", "tokens", "--simulate", "8MiB", "--cache-dir", str(workdir / "lengths")]
+    factory = ["--model", "tinymodels:next_token", "--sample", "tinymodels:tokens_at",
+               "--simulate", "8MiB", "--no-cache", "--json"]
+    first, as_json, no_length, bad = run_all(
+        workdir,
+        ["find", *tokens, "--lengths", "32,8,16"],
+        ["find", *factory, "--lengths", "8,16,32"],
+        ["find", "--model", "tinymodels:mlp", "--sample", "tinymodels:rows", "--lengths", "8"],
+        ["find", *tokens, "--lengths", "8,0"],
+    )
+    assert first.returncode == 0, first.stderr
+    table = _length_table(first.stdout)
+    assert sorted(table) == [8, 16, 32]
+    sizes = [table[n][1] for n in (8, 16, 32)]
+    assert sizes == sorted(sizes, reverse=True)  # longer sequences, smaller batches
+    assert all(recommended <= largest for recommended, largest, _ in table.values())
+    assert "trials (" in first.stdout
+
+    document = json.loads(as_json.stdout)
+    assert as_json.returncode == 0, as_json.stderr
+    assert document["lengths"] == [8, 16, 32]
+    assert [r["max_batch_size"] for r in document["results"]] == sorted(
+        (r["max_batch_size"] for r in document["results"]), reverse=True)
+
+    assert no_length.returncode == 2
+    assert "must take length=" in no_length.stderr
+    assert bad.returncode == 2
+    assert "--lengths '8,0'" in bad.stderr
+
+    again = run(workdir, "find", *tokens, "--lengths", "8,16,32")
+    assert again.returncode == 0, again.stderr
+    assert "measured earlier" in again.stdout
+    assert _length_table(again.stdout) == table
+
+
+def _length_table(text: str) -> dict[int, tuple[int, int, int]]:
+    """``find --lengths``'s rows: length -> (batch size, largest that fits, trials)."""
+    rows = [line.split() for line in text.splitlines()]
+    return {int(r[0]): (int(r[1]), int(r[2]), int(r[3]))
+            for r in rows if len(r) == 4 and all(part.isdigit() for part in r)}

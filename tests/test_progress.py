@@ -127,3 +127,21 @@ def test_bad_watchers_are_refused(option: str, value: object) -> None:
         gpu.adopt(model)
         with pytest.raises(TypeError, match=option):
             search_batch_size(model, sample, torch.optim.Adam, loss_fn=CE, **{option: value})
+
+
+def test_search_batch_sizes_shows_every_lengths_trials() -> None:
+    from autobatch import search_batch_sizes
+    from autobatch.testing.models import transformer
+
+    torch.manual_seed(0)
+    model = transformer(d_model=16, layers=1)
+    seen: list[Trial] = []
+
+    def sample_for(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, 100, (2, length)), torch.randint(0, 10, (2,))
+
+    with SimulatedGPU("8MiB") as gpu:
+        gpu.adopt(model)
+        table = search_batch_sizes(model, sample_for, [16, 32], torch.optim.Adam, loss_fn=CE,
+                                   on_trial=seen.append)
+    assert [t.size for t in seen] == [t.size for t in table.trials]

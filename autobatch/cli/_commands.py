@@ -20,6 +20,7 @@ from autobatch._backends import memory_for, resolve_device
 from autobatch._cache import ResultCache, cached_search, open_cache, search_key
 from autobatch._errors import BatchSizeError
 from autobatch._finder import search_batch_size
+from autobatch._lengths import search_batch_sizes
 from autobatch._result import SearchResult, result_to_dict
 from autobatch._throughput import ThroughputResult, _check, find_best_batch
 from autobatch._units import format_bytes, parse_bytes
@@ -36,7 +37,7 @@ from autobatch.cli._inputs import (
     _Target,
     _target,
 )
-from autobatch.cli._output import _emit_json, _output, _reporting, _search_lines
+from autobatch.cli._output import _emit_json, _output, _reporting, _search_lines, _table_lines
 from autobatch.cli._parser import (
     _DEMO_TEXT,
     _OPTIMIZERS,
@@ -64,8 +65,8 @@ class _Setup:
     train: bool
 
 
-def _setup(args: argparse.Namespace) -> _Setup:
-    sample = _make_sample(args)
+def _setup(args: argparse.Namespace, length: int | None = None) -> _Setup:
+    sample = _make_sample(args, length)
     loss_fn = _make_loss(args.loss, sample.classes)
     model = _make_model(args.model)
     if sample.tokens:
@@ -137,6 +138,8 @@ def _plot(result: SearchResult | ThroughputResult, path: str | None, stream: Tex
 
 def _find(args: argparse.Namespace) -> int:
     options = _search_options_of(args)
+    if args.lengths is not None:
+        return _find_lengths(args, options)
     setup = _setup(args)
     target = _target(args, DEFAULT_SIMULATED)
     out = _output(args)
@@ -151,6 +154,32 @@ def _find(args: argparse.Namespace) -> int:
     else:
         print("\n".join(_search_lines(result, seconds, cached)), file=out)
     _plot(result, args.plot, out)
+    return EXIT_OK
+
+
+def _find_lengths(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``find --lengths``: a table of batch sizes, one per sequence length."""
+    lengths = sorted(set(_parse_sizes(args.lengths, "--lengths", "sequence lengths")))
+    setup = _setup(args, lengths[-1])
+    target = _target(args, DEFAULT_SIMULATED)
+    out = _output(args)
+    _header(setup, target, f"find at lengths {','.join(map(str, lengths))}", out)
+
+    def sample_for(length: int) -> Any:
+        return _setup(args, length).sample.value
+
+    no_cache = getattr(args, "no_cache", True)
+    start = time.perf_counter()
+    with _running_on(target, setup.model):
+        table = search_batch_sizes(
+            setup.model, sample_for, lengths, setup.optimizer, loss_fn=setup.loss_fn,
+            train=setup.train, cache=False if no_cache else (args.cache_dir or True), **options,
+        )
+    seconds = time.perf_counter() - start
+    if args.json:
+        _emit_json({"command": "find", **table.to_dict(), "seconds": seconds})
+    else:
+        print("\n".join(_table_lines(table, seconds)), file=out)
     return EXIT_OK
 
 

@@ -106,17 +106,33 @@ class _Sample:
     tokens: bool = False
 
 
-def _make_sample(args: argparse.Namespace) -> _Sample:
+def _make_sample(args: argparse.Namespace, length: int | None = None) -> _Sample:
+    """The sample the command line describes; at sequence ``length`` (``--lengths``), the first
+    dimension of ``--sample-shape`` is the length, and a ``--sample`` factory is called with
+    ``length=``."""
     if args.sample is not None:
         if args.labels != "none":
             raise UsageError("--labels goes with --sample-shape; a --sample makes its own labels")
         factory = _load(args.sample, "--sample")
+        if length is not None:
+            try:
+                accepts = "length" in inspect.signature(factory).parameters
+            except (TypeError, ValueError):
+                accepts = False
+            if not accepts:
+                raise UsageError(
+                    f"--lengths with --sample {args.sample}: the factory must take length= (a "
+                    "function of the sequence length returning a few rows at that length)"
+                )
+            return _Sample(factory(length=length), None, f"{args.sample}(length=L)")
         if not callable(factory):
             return _Sample(factory, None, args.sample)
         if _takes_size(factory):
             return _Sample(factory, None, f"{args.sample}(n)")
         return _Sample(factory(), None, f"{args.sample}()")
     shape = _parse_shape(args.sample_shape)
+    if length is not None:
+        shape = (length, *shape[1:])
     dtype = _parse_dtype(args.dtype)
     labels = _parse_labels(args.labels)
     generator = torch.Generator().manual_seed(0)  # never touches the global RNG
@@ -165,12 +181,13 @@ def _make_loss(spec: str, classes: int | None) -> Callable[..., torch.Tensor] | 
     return loss  # type: ignore[no-any-return]
 
 
-def _parse_sizes(text: str) -> list[int]:
+def _parse_sizes(text: str, option: str = "--candidates", what: str = "batch sizes") -> list[int]:
     parts = [part.strip() for part in text.split(",")]
     sizes = [int(part) for part in parts if part.isdigit()]
     if len(sizes) != len(parts) or any(s < 1 for s in sizes):
-        raise UsageError(f"--candidates {text!r}: give positive batch sizes, e.g. 16,32,64")
+        raise UsageError(f"{option} {text!r}: give positive {what}, e.g. 16,32,64")
     return sizes
+
 
 
 @dataclass(frozen=True)

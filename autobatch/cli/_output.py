@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import torch
 
-from autobatch._result import SearchResult
+from autobatch._result import LengthTable, SearchResult
 from autobatch._search import Trial
 from autobatch._throughput import ThroughputPoint
 from autobatch._units import format_bytes
@@ -144,3 +144,16 @@ def _search_lines(result: SearchResult, seconds: float, cached: str | None) -> l
     return lines
 
 
+
+
+def _table_lines(table: LengthTable, seconds: float) -> list[str]:
+    """``find --lengths``: one row per measured length, then the cost."""
+    lines = [f"{'length':>8}  {'batch size':>10}  {'largest that fits':>17}  {'trials':>6}"]
+    for length, result in zip(table.lengths, table.results, strict=True):
+        lines.append(f"{length:>8}  {result.batch_size:>10}  {result.max_batch_size:>17}  "
+                     f"{len(result.trials):>6}")
+    cached = any(note.startswith("from the cache") for note in table.notes)
+    when = "measured earlier (--no-cache measures again)" if cached else f"in {seconds:.1f} s"
+    lines.append(f"{len(table.trials)} trials ({table.oom_trials} out of memory) {when}; a "
+                 "length between two rows takes the longer row's size")
+    return lines

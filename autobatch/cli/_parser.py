@@ -117,7 +117,8 @@ def _device(parser: argparse.ArgumentParser, default_simulated: str) -> None:
                             "CPU)")
 
 
-def _search_options(parser: argparse.ArgumentParser) -> None:
+def _search_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The search's options; returns their group, for options only one subcommand has."""
     group = parser.add_argument_group("search")
     group.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
                        help="fraction of the memory to leave free at the peak (default 0.05)")
@@ -126,6 +127,7 @@ def _search_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-batch", type=int, metavar="N", help="never try more than N")
     group.add_argument("--multiple-of", type=int, default=1, metavar="N",
                        help="only sizes that are multiples of N (e.g. 8 for tensor cores)")
+    return group
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _workload(find)
     _device(find, DEFAULT_SIMULATED)
-    _search_options(find)
+    _search_options(find).add_argument(
+        "--lengths", metavar="L1,L2,...",
+        help="sequence lengths: print a table of batch sizes, one per length (the first "
+             "dimension of --sample-shape takes each length; a --sample factory is called "
+             "with length=L)")
     _common(find, cache=True, plot=True)
 
     plan = commands.add_parser(
