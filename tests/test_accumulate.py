@@ -726,6 +726,7 @@ def test_first_step_refusal_says_what_happened(foreach: bool) -> None:
 # 9. The guard's memory is bounded
 
 
+@pytest.mark.slow
 def test_history_is_a_bounded_window_with_counters() -> None:
     limit = [6]
 

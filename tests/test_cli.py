@@ -175,6 +175,7 @@ def test_demo_json(capsys: pytest.CaptureFixture[str]) -> None:
 # --------------------------------------------------------------------------- find
 
 
+@pytest.mark.slow
 def test_find_measures_then_uses_the_cache(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -260,6 +261,7 @@ def test_plan(workdir: Path) -> None:
 # --------------------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 def test_nothing_fits_exits_3(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -285,6 +287,7 @@ def test_bad_arguments_exit_2_with_one_line(workdir: Path) -> None:
     assert "cannot import 'nosuchpackage.models'" in _one_line_error(module, 2)
 
 
+@pytest.mark.slow
 def test_errors_while_running_exit_1_and_verbose_shows_the_traceback(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -531,6 +534,7 @@ def _gpt2_trains(n: int, capacity: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_labels_tokens_trains_with_the_models_own_loss(
     workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -577,6 +581,7 @@ def test_plan_of_a_hugging_face_model_with_an_attention_mask_warns_and_plans(
     assert "planned from" in captured.out  # the note says how
 
 
+@pytest.mark.slow
 def test_find_at_lengths_prints_a_table_then_uses_the_cache(workdir: Path) -> None:
     tokens = ["--model", "tinymodels:next_token", "--sample-shape", "32", "--dtype", "int64",
               "--labels", "tokens", "--simulate", "8MiB", "--cache-dir", str(workdir / "lengths")]

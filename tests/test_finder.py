@@ -475,6 +475,7 @@ def test_step_fn_with_grad_scaler_on_cpu_is_restored() -> None:
     assert scaler.get_scale() == 2.0**10
 
 
+@pytest.mark.slow
 def test_callable_sample_builds_the_worst_case() -> None:
     model = WORKLOADS["transformer"].model()
     lengths: list[int] = []
@@ -558,6 +559,7 @@ def test_free_memory_is_public_and_safe_on_cpu() -> None:
     autobatch.free_memory("cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_plan_seeded_search_is_exact_in_three_trials(name: str) -> None:
     work = WORKLOADS[name]

@@ -433,6 +433,7 @@ def _table_on_rank(rank: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_every_length(tmp_path: Path) -> None:
     """Two gloo ranks, one holding more memory (so its peaks differ): the same table (the
     fuller rank's), the same trials in lockstep, parameters untouched."""

@@ -383,6 +383,7 @@ def _hf_sample(kind: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_hugging_face_models_with_an_attention_mask_are_planned_within_two_percent(
     kind: str,
@@ -405,6 +406,7 @@ def test_hugging_face_models_with_an_attention_mask_are_planned_within_two_perce
     assert next(model.parameters()).device.type == "cpu"  # the user's model was not touched
 
 
+@pytest.mark.slow
 def test_gpt2_without_a_mask_is_planned_on_meta_within_two_percent() -> None:
     from _models import gpt2
 

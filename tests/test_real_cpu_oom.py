@@ -98,6 +98,7 @@ print(f"AUTOBATCH-RECOVERED batch={fitted}", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_genuine_cpu_oom_is_classified_and_training_recovers() -> None:
     env = dict(os.environ)
     env.update(

@@ -422,6 +422,7 @@ def test_an_operator_refused_midway_keeps_what_it_allocated_in_the_peak() -> Non
         assert gpu.peak_bytes == 12 * MiB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_caching_model_agrees_with_the_exact_one_on_allocated_bytes(name: str) -> None:
     work = WORKLOADS[name]
