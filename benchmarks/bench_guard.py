@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autobatch import free_memory, is_oom_error
+from autobatch import BatchSizeError, free_memory, is_oom_error
 from autobatch._recovery import oom_guard, retry_on_oom
+from autobatch._units import format_bytes
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS
 
@@ -191,9 +192,10 @@ def bench_retries(workloads: list[tuple[str, int]], capacities: int, batches: in
         f"and the whole batch; {batches} batches each; retries = failed attempts of a batch\n"
     )
     print(
-        "| workload | batch | OOM incidents | retries: 1 | 2 | 3+ | median | mean | samples recomputed |"
+        "| workload | batch | OOM incidents | retries: 1 | 2 | 3+ | median | mean | samples recomputed "
+        "| capacities where not even one row fit (BatchSizeError) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     everything: list[int] = []
     for name, size in workloads:
         torch.manual_seed(0)
@@ -203,6 +205,7 @@ def bench_retries(workloads: list[tuple[str, int]], capacities: int, batches: in
         high = peak_of(template, loader[0])
         incidents: list[int] = []
         recomputed = 0
+        refused: list[str] = []
         for i in range(capacities):
             capacity = low + (high - low) * (i + 0.5) / capacities
             trainer = Trainer(template)
@@ -210,7 +213,11 @@ def bench_retries(workloads: list[tuple[str, int]], capacities: int, batches: in
             with SimulatedGPU(int(capacity), adopt=[trainer.model, trainer.opt]):
                 for batch in loader:
                     before = step.stats.ooms
-                    step(batch)
+                    try:
+                        step(batch)
+                    except BatchSizeError:  # not even one row fits: said, not hidden
+                        refused.append(format_bytes(int(capacity)))
+                        break
                     if step.stats.ooms > before:
                         incidents.append(step.stats.ooms - before)
             recomputed += step.stats.samples_recomputed
@@ -219,7 +226,8 @@ def bench_retries(workloads: list[tuple[str, int]], capacities: int, batches: in
         print(
             f"| {name} | {size} | {len(incidents)} | {counts[1]} | {counts[2]} | {counts[3]} | "
             f"{statistics.median(incidents) if incidents else '-'} | "
-            f"{statistics.mean(incidents) if incidents else 0:.2f} | {recomputed} |"
+            f"{statistics.mean(incidents) if incidents else 0:.2f} | {recomputed} | "
+            f"{len(refused)}{' (' + ', '.join(refused) + ')' if refused else ''} |"
         )
     print(f"\nall workloads: median retries per OOM = {statistics.median(everything)}")
 
