@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch
 from torch import nn
@@ -39,6 +40,8 @@ from autobatch._workload import (
 
 logger = get_logger("finder")
 
+P = ParamSpec("P")
+
 def search_batch_size(
     model: nn.Module,
     sample: Sample,
@@ -66,7 +69,13 @@ def search_batch_size(
     the full record: ``batch_size`` (recommended, as :func:`find_max_batch` returns) and
     ``max_batch_size`` (the exact largest that fits).
 
-    Same arguments as :func:`find_max_batch`, which returns only ``result.batch_size``.
+    Runs zero_grad, forward, loss, backward and optimizer step at the sizes a memory-model-guided
+    search chooses, catches out-of-memory errors, frees memory and goes on: the largest size that
+    fits is exact (it ran, the next size up ran out of memory or is ``max_batch``), and with
+    headroom the recommended size's own peak was measured within ``(1 - headroom)`` of the memory
+    (a warning when even ``min_batch`` is above it). Afterwards the model, optimizer, RNG streams
+    and device memory are exactly as before.
+
     ``start`` (a first size to try) and ``prior`` (a predicted memory model, e.g. a plan's)
     seed the search so a good guess costs two or three trials; ``plan=True`` gets both from
     :func:`autobatch.plan_max_batch` first (seconds on the meta device, no real memory).
@@ -86,6 +95,35 @@ def search_batch_size(
     own verdict, before the ranks agree); ``progress=True`` shows each trial as it ends (a
     ``tqdm`` bar on a terminal when ``tqdm`` is installed, plain lines on stderr otherwise). A
     cached answer runs no trial.
+
+    Args:
+        model: The module to train, already on its device.
+        sample: One or a few examples: a tensor, a (nested) tuple/list/dict of tensors sharing
+            dimension 0, or a callable ``n -> batch`` (for the worst case, e.g. the longest
+            sequence). Batches of ``n`` are built by cycling the sample's rows and moved to the
+            model's device.
+        optimizer: An optimizer (its state is created and restored), an optimizer class or factory
+            (a temporary one is used), or None (forward and backward only).
+        loss_fn: ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)``
+            otherwise. Default: a scalar output, ``output.loss`` / ``output["loss"]`` (a Hugging
+            Face model given ``labels``), else a stand-in that keeps as much for backward as a
+            training loss: a cross-entropy over the last dimension of each floating-point output.
+        step_fn: ``step_fn(model, batch)``: your whole step (AMP and GradScaler, clipping, several
+            forwards), run instead of the default one.
+        train: False searches the inference batch: forward only under ``torch.inference_mode()``.
+        device: The device whose memory to search (default: the model's).
+        min_batch, max_batch, multiple_of: The sizes allowed (e.g. ``max_batch=len(dataset)``,
+            ``multiple_of=8`` for tensor cores).
+        headroom: Fraction of the capacity the returned size leaves free at its measured peak (one
+            more trial measures it); 0 returns the exact largest size that fits. Devices without
+            memory statistics (MPS, the CPU) scale the largest size instead, and say so in the
+            notes.
+        steps_per_trial: Steps run at each size (several catch memory that grows over steps).
+        scaler: A ``torch.amp.GradScaler``: used by the default step, and restored afterwards.
+        start, prior, plan, sync_ranks, cache, on_trial, progress: See above.
+
+    Raises:
+        BatchSizeError: Even ``min_batch`` does not fit (with the bytes needed and the capacity).
     """
     check_search_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
     check_module("model", model)
@@ -375,39 +413,26 @@ def _nothing_fits(
     )
 
 
-def find_max_batch(
-    model: nn.Module,
-    sample: Sample,
-    optimizer: OptimizerLike = None,
-    *,
-    loss_fn: LossFn | None = None,
-    step_fn: StepFn | None = None,
-    train: bool = True,
-    device: DeviceLike = None,
-    min_batch: int = 1,
-    max_batch: int | None = None,
-    multiple_of: int = 1,
-    headroom: float = DEFAULT_HEADROOM,
-    steps_per_trial: int = 1,
-    scaler: Any = None,
-    start: int | None = None,
-    prior: LinearModel | None = None,
-    plan: bool = False,
-    sync_ranks: bool = True,
-    cache: CacheOption = False,
-    on_trial: OnTrial | None = None,
-    progress: bool = False,
-) -> int:
+def _with_options_of(search: Callable[P, SearchResult]) -> Callable[[Callable[..., int]], Callable[P, int]]:
+    """Give a front-end that forwards everything to ``search`` its signature (for ``help()``,
+    ``inspect`` and type checkers), returning an ``int``."""
+
+    def apply(front: Callable[..., int]) -> Callable[P, int]:
+        signature = inspect.signature(search)
+        front.__signature__ = signature.replace(return_annotation="int")  # type: ignore[attr-defined]
+        return front
+
+    return apply
+
+
+@_with_options_of(search_batch_size)
+def find_max_batch(*args: Any, **kwargs: Any) -> int:
     """The recommended batch size: the largest whose measured peak leaves ``headroom`` of the
     device free (5% by default), found with real training steps; ``headroom=0`` returns the exact
     largest batch that fits.
 
-    Runs zero_grad, forward, loss, backward and optimizer step at the sizes a memory-model-guided
-    search chooses, catches out-of-memory errors, frees memory and goes on: the largest size that
-    fits is exact (it ran, the next size up ran out of memory or is ``max_batch``), and with
-    headroom the returned size's own peak was measured within ``(1 - headroom)`` of the memory
-    (a warning when even ``min_batch`` is above it). ``search_batch_size`` returns both sizes.
-    Afterwards the model, optimizer, RNG streams and device memory are exactly as before.
+    Takes exactly the arguments of :func:`search_batch_size` and returns its
+    ``result.batch_size``; see it for every option.
 
     >>> import torch
     >>> from autobatch.testing import SimulatedGPU
@@ -417,39 +442,7 @@ def find_max_batch(
     >>> n > 100
     True
 
-    Args:
-        model: The module to train, already on its device.
-        sample: One or a few examples: a tensor, a (nested) tuple/list/dict of tensors sharing
-            dimension 0, or a callable ``n -> batch`` (for the worst case, e.g. the longest
-            sequence). Batches of ``n`` are built by cycling the sample's rows and moved to the
-            model's device.
-        optimizer: An optimizer (its state is created and restored), an optimizer class or factory
-            (a temporary one is used), or None (forward and backward only).
-        loss_fn: ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)``
-            otherwise. Default: a scalar output, ``output.loss`` / ``output["loss"]`` (a Hugging
-            Face model given ``labels``), else a stand-in that keeps as much for backward as a
-            training loss: a cross-entropy over the last dimension of each floating-point output.
-        step_fn: ``step_fn(model, batch)``: your whole step (AMP and GradScaler, clipping, several
-            forwards), run instead of the default one.
-        train: False searches the inference batch: forward only under ``torch.inference_mode()``.
-        device: The device whose memory to search (default: the model's).
-        min_batch, max_batch, multiple_of: The sizes allowed (e.g. ``max_batch=len(dataset)``,
-            ``multiple_of=8`` for tensor cores).
-        headroom: Fraction of the capacity the returned size leaves free at its measured peak (one
-            more trial measures it); 0 returns the exact largest size that fits. Devices without
-            memory statistics (MPS, the CPU) scale the largest size instead, and say so in the
-            notes.
-        steps_per_trial: Steps run at each size (several catch memory that grows over steps).
-        scaler: A ``torch.amp.GradScaler``: used by the default step, and restored afterwards.
-        start, prior, plan, sync_ranks, cache, on_trial, progress: As for
-            :func:`search_batch_size`.
-
     Raises:
         BatchSizeError: Even ``min_batch`` does not fit (with the bytes needed and the capacity).
     """
-    return search_batch_size(
-        model, sample, optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train, device=device,
-        min_batch=min_batch, max_batch=max_batch, multiple_of=multiple_of, headroom=headroom,
-        steps_per_trial=steps_per_trial, scaler=scaler, start=start, prior=prior, plan=plan,
-        sync_ranks=sync_ranks, cache=cache, on_trial=on_trial, progress=progress,
-    ).batch_size
+    return search_batch_size(*args, **kwargs).batch_size
