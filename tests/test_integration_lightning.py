@@ -475,3 +475,12 @@ def test_module_examples_run() -> None:
     result = doctest.testmod(module)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_the_callbacks_search_can_be_watched(tmp_path: Any) -> None:
+    module = _Net(where="module")
+    seen: list[Any] = []
+    ours = AutobatchCallback(guard=False, on_trial=seen.append)
+    _fit(tmp_path, module, SMALL, [ours], limit_train_batches=0)
+    assert ours.result is not None
+    assert seen == list(ours.result.trials)

@@ -350,3 +350,15 @@ def test_module_examples_run() -> None:
     result = doctest.testmod(module)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_the_trainers_search_can_be_watched(tmp_path: Any) -> None:
+    model = _gpt2(torch.float32)
+    trainer = _trainer(model, tmp_path, batch=8, optim="adamw_torch")
+    seen: list[Any] = []
+    with SimulatedGPU("3MiB") as gpu:
+        gpu.adopt(model)
+        autobatch_trainer(trainer, guard=False, on_trial=seen.append)
+    result = search_result(trainer)
+    assert result is not None
+    assert seen == list(result.trials)
