@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
+from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import mlp
 
 
@@ -41,3 +45,30 @@ def bert(layers: int = 2, width: int = 64, vocab: int = 1000, classes: int = 4) 
         num_labels=classes,
     )
     return BertForSequenceClassification(config)
+
+
+def fits_two_steps(
+    model: nn.Module, opt_cls: Any, make: Callable[[], tuple[torch.Tensor, torch.Tensor]], n: int,
+    capacity: int, sample_rows: int,
+) -> bool:
+    """Do two real training steps (steady state) at batch ``n`` fit on a fresh simulator?
+    ``make()`` gives the sample (``sample_rows`` rows), called on the simulator; its rows are
+    cycled to ``n``. The model's state is put back afterwards."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = opt_cls(model.parameters())
+    rows = torch.arange(n) % sample_rows  # made off the simulator: not part of the step
+    try:
+        with SimulatedGPU(capacity) as gpu:
+            gpu.adopt(model)
+            x, y = make()
+            xb, yb = x[rows], y[rows]
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(model(xb), yb).backward()
+                opt.step()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.load_state_dict(state)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from _models import Branchy
+from _models import Branchy, fits_two_steps
 from torch import nn
 
 import autobatch
@@ -25,21 +25,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
 
 def _fits(model: nn.Module, opt_cls: Any, x: torch.Tensor, y: torch.Tensor, n: int, capacity: int) -> bool:
     """Does batch n survive two real training steps (steady state) on a fresh simulator?"""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = opt_cls(model.parameters())
-    rows = torch.arange(n) % x.shape[0]
-    try:
-        with SimulatedGPU(capacity) as gpu:
-            gpu.adopt(model)
-            xb, yb = x[rows], y[rows]
-            _train_step(model, opt, xb, yb)
-            _train_step(model, opt, xb, yb)
-        return True
-    except torch.OutOfMemoryError:
-        return False
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.load_state_dict(state)
+    return fits_two_steps(model, opt_cls, lambda: (x, y), n, capacity, x.shape[0])
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))

@@ -29,20 +29,14 @@ from autobatch import AutobatchError, retry_on_oom  # noqa: E402
 from autobatch.integrations.lightning import AutobatchCallback  # noqa: E402
 from autobatch.testing import SimulatedGPU  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 ROWS, FEATURES, CLASSES, HIDDEN = 192, 16, 4, 256
 SMALL = "400KiB"  # a batch of 64 rows does not fit; a quarter of it does
 LARGE = "1GiB"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """Tiny models: one intra-op thread is faster than several fighting over the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

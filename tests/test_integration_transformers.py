@@ -27,21 +27,15 @@ from autobatch.integrations.transformers import (  # noqa: E402
 )
 from autobatch.testing import OOM_KINDS, SimulatedGPU  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 ROWS, SEQ, VOCAB = 192, 16, 64  # a few hundred examples: six optimizer steps of 32
 STEPS = ROWS // 32
 LARGE = "1GiB"
 SMALL = "4MiB"  # a batch of 32 does not fit in float64; about a dozen rows do
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """Tiny models: one intra-op thread is faster than several fighting over the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

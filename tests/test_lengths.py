@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _models import fits_two_steps
 from _ranks import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader
@@ -96,22 +97,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
 def _fits(model: nn.Module, length: int, n: int, capacity: int) -> bool:
     """Do two real training steps at batch ``n`` of ``length`` fit on a fresh simulator (the
     sample made there, as the search makes it)?"""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.Adam(model.parameters())
-    rows = torch.arange(n) % 2
-    try:
-        with SimulatedGPU(capacity) as gpu:
-            gpu.adopt(model)
-            x, y = _sample_for(length)
-            xb, yb = x[rows], y[rows]
-            _train_step(model, opt, xb, yb)
-            _train_step(model, opt, xb, yb)
-        return True
-    except torch.OutOfMemoryError:
-        return False
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.load_state_dict(state)
+    return fits_two_steps(model, torch.optim.Adam, lambda: _sample_for(length), n, capacity, 2)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
