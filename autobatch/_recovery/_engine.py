@@ -226,19 +226,27 @@ class _Engine:
         # The fast path: a try, the parameters' version counters, a copy of the buffers that
         # change (if any), and the modules watched on the first call.
         attempt = _Attempt(self, learn=self.calls == 0)
-        try:
-            with attempt:
-                result = self.fn(*args, **kwargs)
-        except BaseException as exc:
-            failure = self._capture(exc)
-            if failure is None:
-                raise
-        else:
+        result, failure = self._attempted(attempt, args, kwargs)
+        if failure is None:
             self.succeeded(attempt)
             if self.watch.step_done(self._watched()):
                 self._thrashing(self._locate(args, kwargs))
             return result
         return self.call(args, kwargs, failure, attempt)
+
+    def _attempted(
+        self, attempt: _Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, _Failure | None]:
+        """Run the step once, in ``attempt``: ``(result, None)``, or ``(None, failure)`` when it
+        ran out of memory (any other error propagates)."""
+        try:
+            with attempt:
+                return self.fn(*args, **kwargs), None
+        except BaseException as exc:
+            failure = self._capture(exc)
+            if failure is None:
+                raise
+            return None, failure
 
     def _watched(self) -> DeviceLike:
         """The device whose allocator the watch reads: the option, else the parameters'."""
@@ -293,14 +301,8 @@ class _Engine:
         """A batch that cannot be split (nothing to split by, or no rows): run it whole, once."""
         if failure is None:
             attempt = _Attempt(self)
-            try:
-                with attempt:
-                    result = self.fn(*args, **kwargs)
-            except BaseException as exc:
-                failure = self._capture(exc)
-                if failure is None:
-                    raise
-            else:
+            result, failure = self._attempted(attempt, args, kwargs)
+            if failure is None:
                 self._finished(0)
                 attempt.learned()
                 return result

@@ -106,6 +106,18 @@ class Block:
         state = "allocated" if self.allocated else "free" if self.mapped else "unmapped"
         return f"Block({self.address:#x}, {self.size}, {state})"
 
+    def split(self, size: int) -> Block:
+        """Keep the first ``size`` bytes; the rest becomes the next block of the segment (as
+        mapped as this one), returned."""
+        rest = Block(self.address + size, self.size - size, self.pool, self.segment, self.mapped)
+        following = self.next
+        rest.prev, rest.next = self, following
+        if following is not None:
+            following.prev = rest
+        self.next = rest
+        self.size = size
+        return rest
+
 
 class _Segment:
     """One ``cudaMalloc`` (or one expandable segment's address range) and its first block."""
@@ -411,14 +423,7 @@ class CachingAllocator:
         else:
             split = size < self.max_split_size and remaining > SMALL_SIZE
         if split:
-            rest = Block(block.address + size, remaining, pool, block.segment)
-            following = block.next
-            rest.prev, rest.next = block, following
-            if following is not None:
-                following.prev = rest
-            block.next = rest
-            block.size = size
-            pool.insert(rest)
+            pool.insert(block.split(size))
         block.allocated = True
         block.requested = nbytes
         size = block.size
@@ -580,13 +585,7 @@ class CachingAllocator:
         if self.reserved_bytes_stat.current + mapped > self.limit:
             return None  # cuMemCreate fails: the device has no room for the pages
         if mapped < block.size:
-            rest = Block(block.address + mapped, block.size - mapped, pool, block.segment, False)
-            following = block.next
-            rest.prev, rest.next = block, following
-            if following is not None:
-                following.prev = rest
-            block.next = rest
-            block.size = mapped
+            block.split(mapped)  # the rest stays unmapped
         block.mapped = True
         block = self._merge(block)
         pool.insert(block)
