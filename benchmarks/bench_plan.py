@@ -42,7 +42,7 @@ import autobatch
 from autobatch._planner import plan_max_batch
 from autobatch._units import format_bytes
 from autobatch.testing import SimulatedGPU
-from autobatch.testing.models import WORKLOADS, TinyTransformer
+from autobatch.testing.models import WORKLOADS, RecurrentClassifier, TinyTransformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_search  # a sibling module of this script
@@ -96,24 +96,6 @@ def accuracy() -> bool:
     return ok
 
 
-class Recurrent(nn.Module):
-    """A recurrent classifier: ``nn.LSTM``/``nn.GRU``/``nn.RNN`` over 32 steps, then a head."""
-
-    def __init__(self, kind: str, layers: int, batch_first: bool) -> None:
-        super().__init__()
-        self.batch_first = batch_first
-        self.rnn = getattr(nn, kind)(16, 64, num_layers=layers, batch_first=batch_first)
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.batch_first:
-            x = x.transpose(0, 1)
-        out = self.rnn(x)[0]
-        last = out[:, -1] if self.batch_first else out[-1]
-        result: torch.Tensor = self.head(last)
-        return result
-
-
 def _hugging_face(kind: str) -> tuple[nn.Module, Any]:
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
@@ -154,7 +136,7 @@ def recurrent_and_hugging_face() -> bool:
     for label, spec, capacity in cases:
         torch.manual_seed(0)
         if isinstance(spec, tuple):
-            model: nn.Module = Recurrent(*spec)
+            model: nn.Module = RecurrentClassifier(*spec)
             sample: Any = (torch.randn(2, 32, 16), torch.randint(0, 10, (2,)))
             loss: Any = F.cross_entropy
         else:

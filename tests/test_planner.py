@@ -17,7 +17,7 @@ from autobatch import AutobatchError, BatchSizeError, search_batch_size
 from autobatch._accounting import round_allocation
 from autobatch._planner import Plan, plan_max_batch
 from autobatch.testing import SimulatedGPU
-from autobatch.testing.models import WORKLOADS, mlp
+from autobatch.testing.models import WORKLOADS, RecurrentClassifier, mlp
 
 CE = nn.functional.cross_entropy
 
@@ -421,22 +421,6 @@ def test_gpt2_without_a_mask_is_planned_on_meta_within_two_percent() -> None:
     _within_two_percent(plan.max_batch_size, found.max_batch_size)
 
 
-class _Recurrent(nn.Module):
-    def __init__(self, kind: str, layers: int, batch_first: bool) -> None:
-        super().__init__()
-        self.batch_first = batch_first
-        self.rnn = getattr(nn, kind)(8, 32, num_layers=layers, batch_first=batch_first)
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.batch_first:
-            x = x.transpose(0, 1)
-        out = self.rnn(x)[0]
-        last = out[:, -1] if self.batch_first else out[-1]
-        result: torch.Tensor = self.head(last)
-        return result
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("layers", [1, 2])
@@ -447,7 +431,7 @@ def test_recurrent_layers_are_planned_within_two_percent_and_never_above(
     """Their CPU kernels keep workspaces a meta run does not allocate (the plan was 16-46%
     too large): they are planned from small real steps, with a note."""
     torch.manual_seed(0)
-    model = _Recurrent(kind, layers, batch_first)
+    model = RecurrentClassifier(kind, layers, batch_first, inputs=8, hidden=32, classes=4)
     sample = (torch.randn(2, 8, 8), torch.randint(0, 4, (2,)))
     plan = plan_max_batch(model, sample, torch.optim.AdamW, "2MiB", loss_fn=CE,
                           device_type="cpu", headroom=0)
@@ -500,7 +484,7 @@ def test_real_steps_are_refused_when_the_copy_would_crowd_the_host(
     from autobatch._backends import CpuMemory
 
     monkeypatch.setattr(CpuMemory, "free_bytes", lambda self: 64 * 1024)
-    model = _Recurrent("LSTM", 1, True)
+    model = RecurrentClassifier("LSTM", 1, True, inputs=8, hidden=32, classes=4)
     sample = (torch.randn(2, 8, 8), torch.randint(0, 4, (2,)))
     with pytest.raises(AutobatchError, match=r"host memory free; use autobatch\.find_max_batch"):
         plan_max_batch(model, sample, torch.optim.AdamW, "2MiB", loss_fn=CE)

@@ -86,6 +86,29 @@ class TinyGRU(nn.Module):
         return out
 
 
+class RecurrentClassifier(nn.Module):
+    """A classifier of vector sequences: ``nn.LSTM``, ``nn.GRU`` or ``nn.RNN`` (``kind``), then a
+    linear head on the last step; ``batch_first`` as the recurrent layer's (its input is always
+    ``(batch, steps, inputs)``)."""
+
+    def __init__(
+        self, kind: str, layers: int = 1, batch_first: bool = True, inputs: int = 16,
+        hidden: int = 64, classes: int = 10,
+    ) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = getattr(nn, kind)(inputs, hidden, num_layers=layers, batch_first=batch_first)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        out = self.rnn(x)[0]
+        last = out[:, -1] if self.batch_first else out[-1]
+        result: torch.Tensor = self.head(last)
+        return result
+
+
 def gru(vocab: int = 1000, embed: int = 32, hidden: int = 64) -> nn.Module:
     """A small GRU classifier for token sequences."""
     return TinyGRU(vocab=vocab, embed=embed, hidden=hidden)
