@@ -24,13 +24,14 @@ from autobatch._result import SearchResult
 from autobatch._search import LinearModel, SearchPolicy, Trial, recommend, search
 from autobatch._trial import TrialRunner, prepared
 from autobatch._units import format_bytes
-from autobatch._validate import check_module, check_search_options
+from autobatch._validate import check_module
 from autobatch._workload import (
     DEFAULT_HEADROOM,
     Batch,
     LossFn,
     OptimizerLike,
     Sample,
+    SearchSpec,
     StepFn,
     batch_factory,
     mark_batch_dynamic,
@@ -125,7 +126,10 @@ def search_batch_size(
     Raises:
         BatchSizeError: Even ``min_batch`` does not fit (with the bytes needed and the capacity).
     """
-    check_search_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
+    spec = SearchSpec(
+        loss_fn, step_fn, train, min_batch, max_batch, multiple_of, headroom, steps_per_trial,
+        scaler,
+    )
     check_module("model", model)
     target = model_device(model, device)
     memory = memory_for(target)
@@ -135,20 +139,13 @@ def search_batch_size(
 
         def measured() -> SearchResult:
             return _measured_search(
-                model, sample, optimizer, target, memory, loss_fn=loss_fn, step_fn=step_fn,
-                train=train, min_batch=min_batch, max_batch=max_batch, multiple_of=multiple_of,
-                headroom=headroom, steps_per_trial=steps_per_trial, scaler=scaler, start=start,
-                prior=prior, plan=plan, sync_ranks=sync_ranks, on_trial=each_trial,
+                model, sample, optimizer, target, memory, spec, start=start, prior=prior,
+                plan=plan, sync_ranks=sync_ranks, on_trial=each_trial,
             )
 
         if store is None or (sync_ranks and _distributed.active()):
             return measured()
-        options: dict[str, Any] = {
-            "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "min_batch": min_batch,
-            "max_batch": max_batch, "multiple_of": multiple_of, "headroom": headroom,
-            "steps_per_trial": steps_per_trial, "scaler": scaler,
-        }
-        key = lambda: search_key(model, sample, optimizer, memory, **options)  # noqa: E731
+        key = lambda: search_key(model, sample, optimizer, memory, **spec.options())  # noqa: E731
         return cached_search(store, key, measured)[0]
 
 
@@ -158,16 +155,8 @@ def _measured_search(
     optimizer: OptimizerLike,
     target: torch.device,
     memory: DeviceMemory,
+    spec: SearchSpec,
     *,
-    loss_fn: LossFn | None,
-    step_fn: StepFn | None,
-    train: bool,
-    min_batch: int,
-    max_batch: int | None,
-    multiple_of: int,
-    headroom: float,
-    steps_per_trial: int,
-    scaler: Any,
     start: int | None,
     prior: LinearModel | None,
     plan: bool,
@@ -179,9 +168,9 @@ def _measured_search(
     the sizes (default: the engine's)."""
     make_batch = batch_factory(sample, target)
     notes: list[str] = []
-    if train and optimizer is None and step_fn is None:
+    if spec.train and optimizer is None and spec.step_fn is None:
         notes.append("no optimizer given: forward and backward only, optimizer state not counted")
-    if not train:
+    if not spec.train:
         notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
     sync = sync_ranks and _distributed.active()
     capacity = memory.capacity_bytes()
@@ -200,9 +189,10 @@ def _measured_search(
 
         try:
             planned = plan_max_batch(
-                model, sample, optimizer if train else None, budget,
-                loss_fn=loss_fn, step_fn=step_fn, train=train, min_batch=min_batch,
-                max_batch=max_batch, multiple_of=multiple_of, device_type=target.type,
+                model, sample, optimizer if spec.train else None, budget,
+                loss_fn=spec.loss_fn, step_fn=spec.step_fn, train=spec.train,
+                min_batch=spec.min_batch, max_batch=spec.max_batch, multiple_of=spec.multiple_of,
+                device_type=target.type,
             )
         except AutobatchError as error:  # cannot plan, or nothing fits: real trials decide
             notes.append(f"plan skipped: {str(error).splitlines()[0]}")
@@ -210,10 +200,11 @@ def _measured_search(
             start, prior = planned.max_batch_size, planned.memory_model
             notes.append(f"seeded by a plan: batch {start} in {planned.seconds:.2f} s")
     with prepared(
-        model, optimizer, memory, train=train, loss_fn=loss_fn, step_fn=step_fn, scaler=scaler
+        model, optimizer, memory, train=spec.train, loss_fn=spec.loss_fn, step_fn=spec.step_fn,
+        scaler=spec.scaler,
     ) as work:
-        counted = work.optimizer is not None or step_fn is not None
-        if not memory.has_statistics and max_batch is None and target.type == "cpu":
+        counted = work.optimizer is not None or spec.step_fn is not None
+        if not memory.has_statistics and spec.max_batch is None and target.type == "cpu":
             warnings.warn(
                 "searching host memory without max_batch: the search doubles the batch until the "
                 "CPU allocator fails, which may first push the machine into swap or the OOM killer. "
@@ -228,56 +219,56 @@ def _measured_search(
         elif work.compiled:  # the compiled graph runs: one graph for every trial's size
             make_batch = _dynamic_batches(make_batch)
         runner = TrialRunner(
-            make_batch, work.step, work.memory, steps_per_trial=steps_per_trial,
+            make_batch, work.step, work.memory, steps_per_trial=spec.steps_per_trial,
             cleanup=work.drop_gradients, per_operator=per_operator_possible(work.model),
             on_trial=on_trial,
             adaptive=not sync,  # ranks in lockstep run the same steps: one more, always
         )
         probe = _distributed.trials_in_lockstep(runner, model, sync=sync)  # (FSDP2)
         if work.optimizer is not None:
-            _prime(work.optimizer, model, min_batch, capacity, memory.name, sync)
+            _prime(work.optimizer, model, spec.min_batch, capacity, memory.name, sync)
         probe = _agreeing(probe) if sync else probe
         outcome = search(
             probe,
-            min_size=min_batch,
-            max_size=max_batch,
-            multiple_of=multiple_of,
+            min_size=spec.min_batch,
+            max_size=spec.max_batch,
+            multiple_of=spec.multiple_of,
             capacity_bytes=budget if memory.has_statistics else None,
             start=start,
             prior=prior,
             policy=policy,
         )
         if outcome.largest_fit is None:
-            raise _nothing_fits(runner.records, min_batch, budget, memory.name, outcome.model)
+            raise _nothing_fits(runner.records, spec.min_batch, budget, memory.name, outcome.model)
         # With headroom, the recommended size's own peak is measured (one more trial, below the
         # largest): a prediction may be off by the allocator's rounding, or bend.
         recommended = recommend(
             outcome,
             capacity_bytes=budget if memory.has_statistics else None,
-            headroom=headroom,
-            multiple_of=multiple_of,
-            min_size=min_batch,
+            headroom=spec.headroom,
+            multiple_of=spec.multiple_of,
+            min_size=spec.min_batch,
             probe=probe,
             prior=prior,
         )
-    if headroom and memory.has_statistics:
+    if spec.headroom and memory.has_statistics:
         measured = [
             t.peak_bytes if t.reserved_bytes is None else t.reserved_bytes
             for t in runner.records if t.size == recommended and t.fits
         ]
-        ceiling = math.floor((1 - headroom) * budget)
+        ceiling = math.floor((1 - spec.headroom) * budget)
         if measured and measured[-1] is not None and measured[-1] > ceiling:
             text = (
                 f"even batch {recommended} peaks at {format_bytes(measured[-1])}, more than the "
-                f"{format_bytes(ceiling)} that headroom={headroom:g} leaves of "
+                f"{format_bytes(ceiling)} that headroom={spec.headroom:g} leaves of "
                 f"{format_bytes(budget)}"
             )
             warnings.warn(text, stacklevel=user_stacklevel())
             notes.append(text)
-    if not memory.has_statistics and headroom:
+    if not memory.has_statistics and spec.headroom:
         notes.append(
             f"{memory.name} keeps no memory statistics: headroom applied to the batch size "
-            f"({1 - headroom:.0%} of the largest that fit)"
+            f"({1 - spec.headroom:.0%} of the largest that fit)"
         )
     result = SearchResult(
         batch_size=recommended,
@@ -286,15 +277,15 @@ def _measured_search(
         memory_model=outcome.model,
         capacity_bytes=budget,
         device=memory.name,
-        headroom=float(headroom),
-        train=train,
+        headroom=float(spec.headroom),
+        train=spec.train,
         optimizer_counted=counted,
         smallest_failing=outcome.smallest_fail,
         notes=tuple(notes),
     )
     logger.info(
         "largest batch that fits: %d; recommended %d (headroom %g) after %d trials",
-        result.max_batch_size, result.batch_size, headroom, len(result.trials),
+        result.max_batch_size, result.batch_size, spec.headroom, len(result.trials),
     )
     return result
 

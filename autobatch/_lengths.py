@@ -9,31 +9,25 @@ proves with the size next to it (:class:`~autobatch._search.Predicted`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 import random
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 from torch import nn
 
 from autobatch import _distributed
-from autobatch._backends import DeviceLike, memory_for, restore_rng_states, save_rng_states
-from autobatch._cache import CacheOption, cached_table, open_cache, search_key, table_key
+from autobatch._backends import memory_for, restore_rng_states, save_rng_states
+from autobatch._cache import cached_table, open_cache, search_key, table_key
 from autobatch._errors import AutobatchError
-from autobatch._finder import _measured_search
+from autobatch._finder import _measured_search, search_batch_size
 from autobatch._log import get_logger
-from autobatch._progress import OnTrial, watching
+from autobatch._progress import watching
 from autobatch._result import LengthTable, SearchResult
 from autobatch._search import LinearModel, Predicted, SearchPolicy, predict_line
-from autobatch._validate import check_module, check_search_options
-from autobatch._workload import (
-    DEFAULT_HEADROOM,
-    LossFn,
-    OptimizerLike,
-    Sample,
-    StepFn,
-    model_device,
-)
+from autobatch._validate import check_module
+from autobatch._workload import OptimizerLike, Sample, SearchSpec, model_device
 
 logger = get_logger("lengths")
 
@@ -46,29 +40,40 @@ class _SampleForError(AutobatchError, TypeError):
     """A ``sample_for`` that is not a function of a length."""
 
 
+P = ParamSpec("P")
+Lengths = Iterable[int]
+
+
+def _options_of(
+    search: Callable[Concatenate[nn.Module, Sample, P], SearchResult],
+) -> Callable[
+    [Callable[..., LengthTable]],
+    Callable[Concatenate[nn.Module, Callable[[int], Sample], Lengths, P], LengthTable],
+]:
+    """Give the search over lengths every option of ``search``, written once there (for
+    ``help()``, ``inspect`` and type checkers): the model, then ``sample_for`` and ``lengths``
+    where ``search`` takes a sample, then the rest."""
+
+    def apply(front: Callable[..., LengthTable]) -> Any:
+        options = inspect.signature(search)
+        own = inspect.signature(front).parameters
+        model, _sample, *rest = options.parameters.values()
+        front.__signature__ = options.replace(  # type: ignore[attr-defined]
+            parameters=[model, own["sample_for"], own["lengths"], *rest],
+            return_annotation=inspect.signature(front).return_annotation,
+        )
+        return front
+
+    return apply
+
+
+@_options_of(search_batch_size)
 def search_batch_sizes(
     model: nn.Module,
     sample_for: Callable[[int], Sample],
-    lengths: Iterable[int],
+    lengths: Lengths,
     optimizer: OptimizerLike = None,
-    *,
-    loss_fn: LossFn | None = None,
-    step_fn: StepFn | None = None,
-    train: bool = True,
-    device: DeviceLike = None,
-    min_batch: int = 1,
-    max_batch: int | None = None,
-    multiple_of: int = 1,
-    headroom: float = DEFAULT_HEADROOM,
-    steps_per_trial: int = 1,
-    scaler: Any = None,
-    start: int | None = None,
-    prior: LinearModel | None = None,
-    plan: bool = False,
-    sync_ranks: bool = True,
-    cache: CacheOption = False,
-    on_trial: OnTrial | None = None,
-    progress: bool = False,
+    **options: Any,
 ) -> LengthTable:
     """The largest batch that fits, and the recommended one, at each of several sequence
     lengths, with real steps; a table that gives a batch size for any length up to the longest.
@@ -130,16 +135,17 @@ def search_batch_sizes(
             f"e.g. lambda length: torch.randint(0, vocab, (2, length)); got "
             f"{type(sample_for).__name__}"
         )
-    check_search_options(min_batch, max_batch, multiple_of, headroom, steps_per_trial)
+    call = inspect.signature(search_batch_sizes).bind(
+        model, sample_for, lengths, optimizer, **options
+    )
+    call.apply_defaults()
+    given = call.arguments
+    spec = SearchSpec(**{name: given[name] for name in SearchSpec.__dataclass_fields__})
     check_module("model", model)
-    target = model_device(model, device)
+    target = model_device(model, given["device"])
     memory = memory_for(target)
-    store = open_cache(cache)
-    options: dict[str, Any] = {
-        "loss_fn": loss_fn, "step_fn": step_fn, "train": train, "min_batch": min_batch,
-        "max_batch": max_batch, "multiple_of": multiple_of, "headroom": headroom,
-        "steps_per_trial": steps_per_trial, "scaler": scaler,
-    }
+    store = open_cache(given["cache"])
+    sync_ranks = given["sync_ranks"]
 
     def measure() -> LengthTable:
         results: dict[int, SearchResult] = {}
@@ -149,15 +155,15 @@ def search_batch_sizes(
             policy: SearchPolicy | None = None
             if seeded is None:  # the longest, or no statistics to predict from
                 first = not results
-                begin = start if first else _known_to_fit(results)
-                line = prior if first else None
+                begin = given["start"] if first else _known_to_fit(results)
+                line = given["prior"] if first else None
             else:
                 begin, line, policy = seeded[0], seeded[1], Predicted()
             sample = _sample_at(sample_for, length)
             result = _measured_search(
-                model, sample, optimizer, target, memory, start=begin, prior=line,
-                plan=plan and not results, sync_ranks=sync_ranks, policy=policy,
-                on_trial=each_trial, **options,
+                model, sample, optimizer, target, memory, spec, start=begin, prior=line,
+                plan=given["plan"] and not results, sync_ranks=sync_ranks, policy=policy,
+                on_trial=each_trial,
             )
             del sample
             if seeded is not None:
@@ -178,11 +184,13 @@ def search_batch_sizes(
 
     def key() -> str:
         return table_key({
-            length: search_key(model, _sample_at(sample_for, length), optimizer, memory, **options)
+            length: search_key(
+                model, _sample_at(sample_for, length), optimizer, memory, **spec.options()
+            )
             for length in measured
         })
 
-    with watching(on_trial, progress) as each_trial:
+    with watching(given["on_trial"], given["progress"]) as each_trial:
         if store is None or (sync_ranks and _distributed.active()):
             return measure()
         return cached_table(store, key, measure)[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from autobatch import _batch
 from autobatch._backends import DeviceLike, resolve_device
-from autobatch._validate import is_sample_factory
+from autobatch._validate import check_search_options, is_sample_factory
 
 #: Fraction of the device's capacity the recommended batch leaves free at its peak by default.
 DEFAULT_HEADROOM = 0.05
@@ -25,6 +26,38 @@ LossFn = Callable[..., torch.Tensor]
 StepFn = Callable[[nn.Module, Batch], Any]
 OptimizerLike = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 Sample = Batch | Callable[[int], Batch]
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """What one search measures and which sizes it may answer, checked on creation: the step
+    (``loss_fn``, ``step_fn``, ``train``, ``steps_per_trial``, ``scaler``), the sizes allowed and
+    the headroom. Everything that changes a search's answer but the model, the sample, the
+    optimizer and the device (so, with them, a cached result's key).
+
+    >>> spec = SearchSpec(None, None, True, 8, None, 8, DEFAULT_HEADROOM, 1, None)
+    >>> spec.options()["multiple_of"]
+    8
+    """
+
+    loss_fn: LossFn | None
+    step_fn: StepFn | None
+    train: bool
+    min_batch: int
+    max_batch: int | None
+    multiple_of: int
+    headroom: float
+    steps_per_trial: int
+    scaler: Any
+
+    def __post_init__(self) -> None:
+        check_search_options(
+            self.min_batch, self.max_batch, self.multiple_of, self.headroom, self.steps_per_trial
+        )
+
+    def options(self) -> dict[str, Any]:
+        """The fields by name, as keyword arguments (for a cache key)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 def call_model(model: nn.Module, batch: Batch) -> tuple[Any, Any]:
