@@ -142,25 +142,16 @@ def _check(tolerance: float, repeats: int, warmup: int) -> None:
     check_int("warmup", warmup, minimum=0)
 
 
+@dataclass(frozen=True)
 class _Timer:
-    """Times the step at one size: warm-up, then ``repeats`` synchronised steps."""
+    """Times the step at one size: ``warmup`` steps, then ``repeats`` synchronised ones."""
 
-    def __init__(
-        self,
-        make_batch: Callable[[int], Batch],
-        step: Callable[[Batch], None],
-        memory: DeviceMemory,
-        cleanup: Callable[[], None],
-        *,
-        repeats: int,
-        warmup: int,
-    ) -> None:
-        self.make_batch = make_batch
-        self.step = step
-        self.memory = memory
-        self.cleanup = cleanup
-        self.repeats = repeats
-        self.warmup = warmup
+    make_batch: Callable[[int], Batch]
+    step: Callable[[Batch], None]
+    memory: DeviceMemory
+    cleanup: Callable[[], None]
+    repeats: int
+    warmup: int
 
     def _run(self, size: int, times: list[float]) -> str | None:
         def run() -> None:

@@ -30,16 +30,23 @@ from autobatch._search import (
     search,
 )
 from autobatch._units import format_bytes, parse_bytes
-from autobatch._validate import check_module, check_search_options
+from autobatch._validate import check_module
 from autobatch._workload import (
     DEFAULT_HEADROOM,
     LossFn,
     OptimizerLike,
     Sample,
+    SearchSpec,
     StepFn,
 )
 
 logger = get_logger("planner")
+
+
+def _byte_option(value: int | float | str, name: str) -> int:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0
+    return parse_bytes(value, name=name)
 
 
 @dataclass(frozen=True)
@@ -49,24 +56,12 @@ class _Request:
     model: nn.Module
     sample: Sample
     optimizer: OptimizerLike
-    started: float
-    loss_fn: LossFn | None
-    step_fn: StepFn | None
-    train: bool
+    spec: SearchSpec  # one step per size, no scaler
     device_type: str
     block_bytes: int
-    min_batch: int
-    max_batch: int | None
-    multiple_of: int
     capacity_bytes: int
     overhead_bytes: int
-    headroom: float
-
-
-def _byte_option(value: int | float | str, name: str) -> int:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-        return 0
-    return parse_bytes(value, name=name)
+    started: float
 
 
 def plan_max_batch(
@@ -141,7 +136,7 @@ def plan_max_batch(
             the module and the operator, and the plan comes from small real steps on a CPU copy
             (``method="steps"``), as it always does for recurrent layers.
     """
-    check_search_options(min_batch, max_batch, multiple_of, headroom, 1)
+    spec = SearchSpec(loss_fn, step_fn, train, min_batch, max_batch, multiple_of, headroom, 1, None)
     check_module("model", model)
     if not isinstance(device_type, str) or not device_type:
         raise ValueError(f"device_type must be a device type such as 'cuda', got {device_type!r}")
@@ -154,10 +149,8 @@ def plan_max_batch(
             f"capacity={capacity!r} ({format_bytes(capacity_bytes)}); lower the overhead"
         )
     request = _Request(
-        model, sample, optimizer, started=time.perf_counter(), loss_fn=loss_fn, step_fn=step_fn,
-        train=train, device_type=device_type, block_bytes=block_bytes, min_batch=min_batch,
-        max_batch=max_batch, multiple_of=multiple_of, capacity_bytes=capacity_bytes,
-        overhead_bytes=overhead_bytes, headroom=headroom,
+        model, sample, optimizer, spec, device_type, block_bytes, capacity_bytes, overhead_bytes,
+        started=time.perf_counter(),
     )
     recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
     if recurrent:  # their kernels on the CPU or GPU keep workspaces a meta run does not see
@@ -187,9 +180,9 @@ def _plan_on_meta(r: _Request) -> Plan:
             r.model,
             r.sample,
             r.optimizer,
-            loss_fn=r.loss_fn,
-            step_fn=r.step_fn,
-            train=r.train,
+            loss_fn=r.spec.loss_fn,
+            step_fn=r.spec.step_fn,
+            train=r.spec.train,
             device_type=r.device_type,
             block_bytes=r.block_bytes,
         )
@@ -205,25 +198,25 @@ def _plan_on_meta(r: _Request) -> Plan:
 
         outcome = search(
             probe,
-            min_size=r.min_batch,
-            max_size=r.max_batch,
-            multiple_of=r.multiple_of,
+            min_size=r.spec.min_batch,
+            max_size=r.spec.max_batch,
+            multiple_of=r.spec.multiple_of,
             capacity_bytes=budget,
         )
-        first = -(-r.min_batch // r.multiple_of) * r.multiple_of
+        first = -(-r.spec.min_batch // r.spec.multiple_of) * r.spec.multiple_of
         largest = outcome.largest_fit
         if largest is None:
             raise BatchSizeError(
-                f"even the smallest batch ({r.min_batch}) does not fit: the plan needs "
+                f"even the smallest batch ({r.spec.min_batch}) does not fit: the plan needs "
                 f"{format_bytes(peaks[first] + r.overhead_bytes)} at batch {first} "
                 f"(overhead {format_bytes(r.overhead_bytes)} included) of "
                 f"{format_bytes(r.capacity_bytes)}. Reduce the model or the input size, use mixed "
                 "precision, gradient checkpointing or a sharded optimizer, or a larger device",
-                batch_size=r.min_batch,
+                batch_size=r.spec.min_batch,
                 needed_bytes=peaks[first] + r.overhead_bytes,
                 capacity_bytes=r.capacity_bytes,
             )
-        half = max(first, largest // 2 // r.multiple_of * r.multiple_of)
+        half = max(first, largest // 2 // r.spec.multiple_of * r.spec.multiple_of)
         top = largest if largest > half else outcome.smallest_fail
         if top is not None and half not in peaks:
             probe(half)
@@ -234,9 +227,9 @@ def _plan_on_meta(r: _Request) -> Plan:
         batch_size = recommend(
             outcome,
             capacity_bytes=r.capacity_bytes,
-            headroom=r.headroom,
-            multiple_of=r.multiple_of,
-            min_size=r.min_batch,
+            headroom=r.spec.headroom,
+            multiple_of=r.spec.multiple_of,
+            min_size=r.spec.min_batch,
             probe=probe,
             reserved_bytes=r.overhead_bytes,
         )
@@ -247,11 +240,11 @@ def _plan_on_meta(r: _Request) -> Plan:
             "memory-efficient) on the device need less, so the plan is an upper bound there"
         )
     return _planned(
-        [*setup.notes], extra, train=r.train, counts_optimizer=setup.optimizer is not None
-        or r.step_fn is not None, started=r.started, how="",
+        [*setup.notes], extra, train=r.spec.train, counts_optimizer=setup.optimizer is not None
+        or r.spec.step_fn is not None, started=r.started, how="",
         batch_size=batch_size, max_batch_size=largest, memory_model=memory_model,
         points=tuple(sorted(peaks.items())), capacity_bytes=r.capacity_bytes,
-        overhead_bytes=r.overhead_bytes, breakdown=breakdown, headroom=float(r.headroom),
+        overhead_bytes=r.overhead_bytes, breakdown=breakdown, headroom=float(r.spec.headroom),
         device_type=r.device_type,
     )
 
@@ -316,9 +309,9 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
     """The plan from two or three small real steps on CPU copies of the model and optimizer,
     counted with the same accounting, each operator's peak extrapolated on its own line."""
     budget = r.capacity_bytes - r.overhead_bytes
-    step = r.multiple_of
-    first = -(-r.min_batch // step) * step
-    last = None if r.max_batch is None else r.max_batch // step * step
+    step = r.spec.multiple_of
+    first = -(-r.spec.min_batch // step) * step
+    last = None if r.spec.max_batch is None else r.spec.max_batch // step * step
     weights = sum(t.numel() * t.element_size() for t in [*r.model.parameters(), *r.model.buffers()])
     host = CpuMemory(torch.device("cpu")).free_bytes()
     if 4 * weights > host // 2:  # the copy, its gradients and an optimizer's two moments
@@ -332,7 +325,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
         torch_rng, python_rng = save_rng_states(), random.getstate()
         try:
             setup = _MetaSetup(
-                r.model, r.sample, r.optimizer, loss_fn=r.loss_fn, step_fn=r.step_fn, train=r.train,
+                r.model, r.sample, r.optimizer, loss_fn=r.spec.loss_fn, step_fn=r.spec.step_fn, train=r.spec.train,
                 device_type=r.device_type, block_bytes=r.block_bytes, real=True,
             )
             trials: list[Trial] = []
@@ -350,7 +343,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
                 return trial
 
             if budget <= _HOST_STEP_BYTES:  # every step fits on this host: measure them all
-                exact = search(measure, min_size=r.min_batch, max_size=r.max_batch,
+                exact = search(measure, min_size=r.spec.min_batch, max_size=r.spec.max_batch,
                                multiple_of=step, capacity_bytes=budget)
                 largest = 0 if exact.largest_fit is None else exact.largest_fit
                 line = exact.model
@@ -376,20 +369,20 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
     if largest < first:
         needed = peaks.get(first, min(peaks.values())) + r.overhead_bytes
         raise BatchSizeError(
-            f"even the smallest batch ({r.min_batch}) does not fit: measured on a CPU copy, the "
+            f"even the smallest batch ({r.spec.min_batch}) does not fit: measured on a CPU copy, the "
             f"step needs about {format_bytes(needed)} (overhead "
             f"{format_bytes(r.overhead_bytes)} included) of {format_bytes(r.capacity_bytes)}. Reduce "
             "the model or the input size, use mixed precision, gradient checkpointing or a "
             "sharded optimizer, or a larger device",
-            batch_size=r.min_batch,
+            batch_size=r.spec.min_batch,
             needed_bytes=needed,
             capacity_bytes=r.capacity_bytes,
         )
     predicted = peaks.get(largest, int(line.predict(largest)) if line is not None else peaks[biggest])
     outcome = SearchOutcome(largest, largest + step, tuple(t for t in trials if t.fits), line)
     batch_size = recommend(
-        outcome, capacity_bytes=r.capacity_bytes, headroom=r.headroom, multiple_of=step,
-        min_size=r.min_batch, reserved_bytes=r.overhead_bytes,
+        outcome, capacity_bytes=r.capacity_bytes, headroom=r.spec.headroom, multiple_of=step,
+        min_size=r.spec.min_batch, reserved_bytes=r.overhead_bytes,
     )
     scale = largest / biggest
     fixed = (
@@ -412,10 +405,10 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
             "layers, fused attention) keep other workspaces; check with find_max_batch there"
         )
     return _planned(
-        notes, extra, train=r.train, counts_optimizer=setup.optimizer is not None
-        or r.step_fn is not None, started=r.started, how=" from real steps",
+        notes, extra, train=r.spec.train, counts_optimizer=setup.optimizer is not None
+        or r.spec.step_fn is not None, started=r.started, how=" from real steps",
         batch_size=batch_size, max_batch_size=largest, memory_model=line,
         points=tuple(sorted(peaks.items())), capacity_bytes=r.capacity_bytes,
-        overhead_bytes=r.overhead_bytes, breakdown=breakdown, headroom=float(r.headroom),
+        overhead_bytes=r.overhead_bytes, breakdown=breakdown, headroom=float(r.spec.headroom),
         device_type=r.device_type, method="steps",
     )

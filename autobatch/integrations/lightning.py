@@ -51,15 +51,7 @@ import torch
 
 from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
 from autobatch._recovery._results import _combine
-from autobatch.integrations._common import (
-    Patch,
-    dataset_length,
-    first_rows,
-    optimizer_step,
-    preserved_rng,
-    rows_of,
-    shares,
-)
+from autobatch.integrations import _common
 
 try:  # the unified package first, the standalone one where it is the only one installed
     import lightning.pytorch as pl
@@ -237,7 +229,7 @@ class AutobatchCallback(pl.Callback):  # type: ignore[misc]
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = None  # Lightning's stand-in when configure_optimizers returns none
         options = dict(self.search_options)
-        with preserved_rng(), _silenced_log(module):
+        with _common.preserved_rng(), _silenced_log(module):
             sample, length = (
                 (self.sample, None) if self.sample is not None else _sample(trainer, module)
             )
@@ -326,17 +318,17 @@ def _sample(trainer: Any, module: Any) -> tuple[Any, int | None]:
     collate = getattr(loader, "collate_fn", None)
     rows = getattr(loader, "batch_size", None)
     if dataset is not None and collate is not None and rows is not None:
-        batch = first_rows(dataset, collate, rows)
+        batch = _common.first_rows(dataset, collate, rows)
     else:  # no automatic batching (a sampler of whole batches): the loader's first batch
         batch = next(iter(loader))
     batch = trainer.strategy.batch_to_device(batch)
-    return batch, (dataset_length(dataset) if dataset is not None else None)
+    return batch, (_common.dataset_length(dataset) if dataset is not None else None)
 
 
 @contextlib.contextmanager
 def _silenced_log(module: Any) -> Iterator[None]:
     """``self.log`` does nothing inside (trials are not training steps)."""
-    patch = Patch(module, "log", _ignore)
+    patch = _common.Patch(module, "log", _ignore)
     try:
         yield
     finally:
@@ -419,7 +411,7 @@ def _trial_step(
         if scaler is not None:
             scaler.unscale_(optimizer)
         _clip(trainer, module, optimizer)
-        optimizer_step(optimizer, scaler)
+        _common.optimizer_step(optimizer, scaler)
 
     return step
 
@@ -512,7 +504,7 @@ class _Guard:
         self.original = module.training_step
         self.reduction = callback.reduction
         self.items = callback.items
-        self.skip_zero: Patch | None = None
+        self.skip_zero: _common.Patch | None = None
         self.metric_states = _MetricStates(module)
         self.step = retry_on_oom(
             policy="accumulate",
@@ -527,7 +519,7 @@ class _Guard:
         def training_step(*args: Any, **kwargs: Any) -> Any:
             return self._guarded(*args, **kwargs)
 
-        self.patch = Patch(module, "training_step", training_step)
+        self.patch = _common.Patch(module, "training_step", training_step)
 
     @property
     def stats(self) -> RecoveryStats:
@@ -551,7 +543,7 @@ class _Guard:
             # guard's backward runs inside training_step, so zero them first, the same way.
             optimizer = trainer.optimizers[0]
             module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-            self.skip_zero = Patch(module, "optimizer_zero_grad", self._zeroed)
+            self.skip_zero = _common.Patch(module, "optimizer_zero_grad", self._zeroed)
         ooms = self.step.stats.ooms
         result: Any = self.step(*args, **kwargs)
         pieces = result if isinstance(result, list) else [result]
@@ -562,7 +554,9 @@ class _Guard:
         if stats.ooms > ooms:
             _log_metrics(trainer, {
                 "autobatch/ooms": float(stats.ooms),
-                "autobatch/micro_batch_size": float(stats.micro_batch_size or rows_of(args[0])),
+                "autobatch/micro_batch_size": float(
+                    stats.micro_batch_size or _common.rows_of(args[0])
+                ),
             })
         return output
 
@@ -581,7 +575,7 @@ class _Guard:
             logged.append(_Logged(name, _detached(value), rest, options))
 
         metrics = self.metric_states.save() if self.metric_states.metrics else None
-        patch = Patch(self.module, "log", record)
+        patch = _common.Patch(self.module, "log", record)
         try:
             try:
                 output = self.original(batch, *args, **kwargs)
@@ -595,7 +589,7 @@ class _Guard:
             if metrics is not None:  # this attempt's updates are undone; the engine retries
                 _MetricStates.restore(metrics)
             raise
-        rows = rows_of(batch)
+        rows = _common.rows_of(batch)
         count = float(rows)
         if self.items is not None and self.reduction == "mean":
             counted = self.items(batch)
@@ -605,7 +599,8 @@ class _Guard:
     # Joining the pieces -----------------------------------------------------------------------
 
     def _join(self, pieces: list[_Piece]) -> Any:
-        weights = shares([p.count for p in pieces], [p.rows for p in pieces], self.reduction)
+        counts, rows = [p.count for p in pieces], [p.rows for p in pieces]
+        weights = _common.shares(counts, rows, self.reduction)
         self._replay_logs(pieces, weights)
         outputs = [p.output for p in pieces]
         if all(o is None for o in outputs):

@@ -49,14 +49,7 @@ from torch import nn
 
 from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
 from autobatch._recovery import RetryingStep
-from autobatch.integrations._common import (
-    Patch,
-    dataset_length,
-    first_rows,
-    optimizer_step,
-    preserved_rng,
-    rows_of,
-)
+from autobatch.integrations import _common
 
 __all__ = ["autobatch_trainer", "recovery_stats", "search_result"]
 
@@ -125,7 +118,7 @@ def autobatch_trainer(
             result.batch_size, result.max_batch_size, len(result.trials),
         )
     if guard:
-        Patch(trainer, "training_step", GuardedTrainingStep(trainer, original, min_batch))
+        _common.Patch(trainer, "training_step", GuardedTrainingStep(trainer, original, min_batch))
     return trainer
 
 
@@ -192,7 +185,7 @@ def _sample(trainer: Any) -> tuple[Any, int | None]:
     elif hasattr(trainer, "_get_collator_with_removed_columns"):
         collate = trainer._get_collator_with_removed_columns(collate, description="training")
     rows = trainer.args.per_device_train_batch_size
-    return first_rows(dataset, collate, rows), dataset_length(dataset)
+    return _common.first_rows(dataset, collate, rows), _common.dataset_length(dataset)
 
 
 def _raw(optimizer: Any) -> torch.optim.Optimizer:
@@ -218,7 +211,7 @@ def _mixed_precision(trainer: Any, model: nn.Module) -> Iterator[None]:
         with accelerator.autocast():
             return forward(*args, **kwargs)
 
-    patch = Patch(model, "forward", convert_outputs_to_fp32(autocast_forward))
+    patch = _common.Patch(model, "forward", convert_outputs_to_fp32(autocast_forward))
     try:
         yield
     finally:
@@ -263,7 +256,7 @@ def _trial_step(
             if scaler is not None:
                 scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), norm)
-        optimizer_step(optimizer, scaler)
+        _common.optimizer_step(optimizer, scaler)
 
     return step
 
@@ -278,9 +271,10 @@ def _find(
 ) -> SearchResult:
     model = trainer.model
     created = trainer.optimizer is None
-    accumulation = Patch(trainer, "current_gradient_accumulation_steps", 1)  # one batch a step
+    # one batch a step
+    accumulation = _common.Patch(trainer, "current_gradient_accumulation_steps", 1)
     try:
-        with preserved_rng():
+        with _common.preserved_rng():
             if created:
                 trainer.create_optimizer()
             optimizer = _raw(trainer.optimizer)
@@ -403,7 +397,7 @@ def _item_counter(trainer: Any) -> Callable[[Any], Any]:
                 if shifts and isinstance(labels, torch.Tensor):
                     labels = labels[..., 1:]
         if not isinstance(labels, torch.Tensor):
-            return rows_of(batch)
+            return _common.rows_of(batch)
         return (labels != _IGNORE_INDEX).sum()
 
     return count

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -145,13 +144,8 @@ class inject_oom(DispatchMode):  # used like a function: `with inject_oom(...)`
         super().__enter__()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        super().__exit__(exc_type, exc, tb)
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -7,7 +7,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -282,13 +281,8 @@ class SimulatedGPU:
         self._mode.__enter__()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._mode.__exit__(exc_type, exc, tb)
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
         with _active_lock:
             _active.remove(self)
             _backends._overrides.remove(self._memory_for)
