@@ -130,6 +130,86 @@ def _search_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return group
 
 
+def _find(parser: argparse.ArgumentParser) -> None:
+    _workload(parser)
+    _device(parser, DEFAULT_SIMULATED)
+    _search_options(parser).add_argument(
+        "--lengths", metavar="L1,L2,...",
+        help="sequence lengths: print a table of batch sizes, one per length (the first "
+             "dimension of --sample-shape takes each length; a --sample factory is called "
+             "with length=L)")
+    _common(parser, cache=True, plot=True)
+
+
+def _plan(parser: argparse.ArgumentParser) -> None:
+    _workload(parser)
+    target = parser.add_argument_group("target")
+    target.add_argument("--capacity", metavar="SIZE",
+                        help="the target device's memory, e.g. 80GiB (default: the GPU's here)")
+    target.add_argument("--device", metavar="DEV", help="read the capacity of this device")
+    target.add_argument("--overhead", metavar="SIZE",
+                        help="memory the plan cannot see (CUDA context, library workspaces; "
+                             "default 0)")
+    _search_options(parser)
+    _common(parser, cache=False, plot=False)
+
+
+def _best(parser: argparse.ArgumentParser) -> None:
+    _workload(parser)
+    _device(parser, DEFAULT_SIMULATED)
+    _search_options(parser)
+    timing = parser.add_argument_group("timing")
+    timing.add_argument("--tolerance", type=float, default=0.02, metavar="FRACTION",
+                        help="pick the smallest size within this fraction of the best "
+                             "throughput (default 0.02)")
+    timing.add_argument("--repeats", type=int, default=5, metavar="N",
+                        help="timed steps per size; their median counts (default 5)")
+    timing.add_argument("--warmup", type=int, default=2, metavar="N",
+                        help="untimed steps per size before the timed ones (default 2)")
+    timing.add_argument("--candidates", metavar="N1,N2,...",
+                        help="sizes to time (default: powers of two up to the largest that "
+                             "fits, and that size); skips the search")
+    _common(parser, cache=True, plot=True)
+
+
+def _demo(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="conv", choices=DEMO_WORKLOADS,
+                        help="the built-in model (default conv: a conv net on 3x32x32 images)")
+    _device(parser, DEMO_SIMULATED)
+    parser.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
+                        help="fraction of the memory to leave free (default 0.05)")
+    _common(parser, cache=False, plot=True)
+
+
+#: Each subcommand: its one-line help, its description, and what adds its options.
+_SUBCOMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
+    "find": (
+        "search for the largest batch with real training steps",
+        "Search for the largest batch that fits, with real forward, backward and optimizer "
+        "steps. Results are cached per model, sample, device and options.",
+        _find,
+    ),
+    "plan": (
+        "predict the largest batch without running a training step",
+        "Predict the largest batch from the model and sample alone, for a device of a given "
+        "size (no GPU needed).",
+        _plan,
+    ),
+    "best": (
+        "time real steps and pick the fastest batch size",
+        "Time real steps at sizes up to the largest that fits and pick the smallest size "
+        "within a tolerance of the best samples/second.",
+        _best,
+    ),
+    "demo": (
+        "find the largest batch of a built-in model (simulated GPU if none)",
+        "Run find on a built-in model: on the GPU when there is one, otherwise on a simulated "
+        f"{DEMO_SIMULATED} GPU, printing each trial and the result.",
+        _demo,
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``autobatch`` argument parser."""
     from autobatch._version import __version__
@@ -142,69 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      parser_class=_Parser)
-
-    find = commands.add_parser(
-        "find", help="search for the largest batch with real training steps",
-        description="Search for the largest batch that fits, with real forward, backward and "
-                    "optimizer steps. Results are cached per model, sample, device and options.",
-    )
-    _workload(find)
-    _device(find, DEFAULT_SIMULATED)
-    _search_options(find).add_argument(
-        "--lengths", metavar="L1,L2,...",
-        help="sequence lengths: print a table of batch sizes, one per length (the first "
-             "dimension of --sample-shape takes each length; a --sample factory is called "
-             "with length=L)")
-    _common(find, cache=True, plot=True)
-
-    plan = commands.add_parser(
-        "plan", help="predict the largest batch without running a training step",
-        description="Predict the largest batch from the model and sample alone, for a device "
-                    "of a given size (no GPU needed).",
-    )
-    _workload(plan)
-    group = plan.add_argument_group("target")
-    group.add_argument("--capacity", metavar="SIZE",
-                       help="the target device's memory, e.g. 80GiB (default: the GPU's here)")
-    group.add_argument("--device", metavar="DEV", help="read the capacity of this device")
-    group.add_argument("--overhead", metavar="SIZE",
-                       help="memory the plan cannot see (CUDA context, library workspaces; "
-                            "default 0)")
-    _search_options(plan)
-    _common(plan, cache=False, plot=False)
-
-    best = commands.add_parser(
-        "best", help="time real steps and pick the fastest batch size",
-        description="Time real steps at sizes up to the largest that fits and pick the "
-                    "smallest size within a tolerance of the best samples/second.",
-    )
-    _workload(best)
-    _device(best, DEFAULT_SIMULATED)
-    _search_options(best)
-    group = best.add_argument_group("timing")
-    group.add_argument("--tolerance", type=float, default=0.02, metavar="FRACTION",
-                       help="pick the smallest size within this fraction of the best "
-                            "throughput (default 0.02)")
-    group.add_argument("--repeats", type=int, default=5, metavar="N",
-                       help="timed steps per size; their median counts (default 5)")
-    group.add_argument("--warmup", type=int, default=2, metavar="N",
-                       help="untimed steps per size before the timed ones (default 2)")
-    group.add_argument("--candidates", metavar="N1,N2,...",
-                       help="sizes to time (default: powers of two up to the largest that "
-                            "fits, and that size); skips the search")
-    _common(best, cache=True, plot=True)
-
-    demo = commands.add_parser(
-        "demo", help="find the largest batch of a built-in model (simulated GPU if none)",
-        description="Run find on a built-in model: on the GPU when there is one, otherwise on "
-                    f"a simulated {DEMO_SIMULATED} GPU, printing each trial and the result.",
-    )
-    demo.add_argument("--workload", default="conv", choices=DEMO_WORKLOADS,
-                      help="the built-in model (default conv: a conv net on 3x32x32 images)")
-    _device(demo, DEMO_SIMULATED)
-    demo.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
-                      help="fraction of the memory to leave free (default 0.05)")
-    _common(demo, cache=False, plot=True)
+    for name, (summary, description, add_options) in _SUBCOMMANDS.items():
+        add_options(commands.add_parser(name, help=summary, description=description))
     return parser
-
-
