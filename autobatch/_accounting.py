@@ -10,6 +10,7 @@ rounds them (512-byte blocks), so the ledger's numbers are comparable with
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -278,43 +279,30 @@ def call_keeping_versions(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
     return out
 
 
-_FOREACH_WRITE: dict[Any, bool] = {}
+# Schemas do not change: each answer below is computed once per operator.
 
 
+@functools.cache
 def _is_foreach_write(func: Any) -> bool:
-    found = _FOREACH_WRITE.get(func)
-    if found is None:
-        schema = getattr(func, "_schema", None)
-        found = _FOREACH_WRITE[func] = (
-            schema is not None and schema.name.startswith("aten::_foreach_") and schema.is_mutable
-        )
-    return found
+    """Whether an operator is a ``_foreach_`` operator that writes to its arguments."""
+    schema = getattr(func, "_schema", None)
+    return (
+        schema is not None and schema.name.startswith("aten::_foreach_") and schema.is_mutable
+    )
 
 
-_MUTABLE: dict[Any, bool] = {}
-
-
+@functools.cache
 def _is_mutable(func: Any) -> bool:
-    """Whether an operator writes to any of its arguments (cached: schemas do not change)."""
-    mutable = _MUTABLE.get(func)
-    if mutable is None:
-        schema = getattr(func, "_schema", None)
-        mutable = _MUTABLE[func] = schema is None or bool(schema.is_mutable)
-    return mutable
+    """Whether an operator writes to any of its arguments."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or bool(schema.is_mutable)
 
 
-_ALIASING: dict[Any, bool] = {}
-
-
+@functools.cache
 def _may_alias(func: Any) -> bool:
-    """Whether an operator's schema lets a result share storage with an argument (cached)."""
-    aliasing = _ALIASING.get(func)
-    if aliasing is None:
-        schema = getattr(func, "_schema", None)
-        aliasing = _ALIASING[func] = schema is None or any(
-            r.alias_info is not None for r in schema.returns
-        )
-    return aliasing
+    """Whether an operator's schema lets a result share storage with an argument."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
 
 
 def _tensors(values: tuple[Any, ...] | list[Any]) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left, insort
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from autobatch.testing._segments import memory_stats
 
@@ -84,23 +85,19 @@ class AllocatorOutOfMemory(Exception):
         self.free = free
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Block:
     """A piece of a segment: allocated, free (cached) or, in an expandable segment, unmapped."""
 
-    __slots__ = (
-        "address", "allocated", "mapped", "next", "pool", "prev", "requested", "segment", "size",
-    )
-
-    def __init__(self, address: int, size: int, pool: _Pool, segment: _Segment, mapped: bool = True):
-        self.address = address
-        self.size = size
-        self.requested = 0  # the bytes asked for, while allocated
-        self.pool = pool
-        self.segment = segment
-        self.mapped = mapped
-        self.allocated = False
-        self.prev: Block | None = None
-        self.next: Block | None = None
+    address: int
+    size: int
+    pool: _Pool
+    segment: _Segment
+    mapped: bool = True
+    requested: int = 0  # the bytes asked for, while allocated
+    allocated: bool = False
+    prev: Block | None = None
+    next: Block | None = None
 
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else "free" if self.mapped else "unmapped"
