@@ -289,6 +289,21 @@ def test_a_sample_for_that_is_not_a_function_is_refused() -> None:
         search_batch_sizes(nn.Linear(4, 2), _sample_for, [8], headroom=1.5)
 
 
+def test_options_are_those_of_search_batch_size() -> None:
+    """One list of options: the search over lengths shows and checks exactly the finder's."""
+    import inspect
+
+    own = inspect.signature(search_batch_sizes).parameters
+    finder = inspect.signature(autobatch.search_batch_size).parameters
+    assert list(own)[:3] == ["model", "sample_for", "lengths"]
+    assert list(own)[3:] == list(finder)[2:]
+    assert all(own[name] == finder[name] for name in list(finder)[2:])
+    with pytest.raises(TypeError, match="headroomx"):
+        search_batch_sizes(nn.Linear(4, 2), _sample_for, [8], headroomx=0.1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="sample"):
+        search_batch_sizes(nn.Linear(4, 2), _sample_for, [8], sample=torch.zeros(2, 4))  # type: ignore[call-arg]
+
+
 def test_docstring_examples_run() -> None:
     import autobatch._lengths
     import autobatch._result
