@@ -14,6 +14,8 @@
      and run the whole batch again; keep the count for later batches.
    - restart (Accelerate find_executable_batch_size / toma style): on OOM, restart the training
      function with half the batch size, from the first batch.
+4. The smallest simulated GPU on which one guarded step trains the batch in micro-batches, next
+   to the model state and one gradient it cannot do without.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autobatch import BatchSizeError, free_memory, is_oom_error
+from autobatch import AutobatchError, BatchSizeError, free_memory, is_oom_error
 from autobatch._recovery import oom_guard, retry_on_oom
 from autobatch._units import format_bytes
 from autobatch.testing import SimulatedGPU
@@ -383,6 +385,84 @@ def bench_peers(name: str, batches: int, size: int) -> None:
             )
 
 
+# --------------------------------------------------------------------------------------------
+# 4. The smallest device a split step trains on
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "SGD, momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+}
+
+
+def _primed(template: nn.Module, optimizer: str, batch: Batch) -> Trainer:
+    """A trainer whose optimizer state exists, as after a first step."""
+    trainer = Trainer(template)
+    trainer.opt = OPTIMIZERS[optimizer](trainer.model.parameters())
+    trainer.step((batch[0][:1], batch[1][:1]))
+    return trainer
+
+
+def _trains(template: nn.Module, optimizer: str, batch: Batch, capacity: int) -> int | None:
+    """The micro-batch size one guarded step ends with at ``capacity`` (the batch's size when it
+    ran whole), or None when it cannot train there."""
+    trainer = _primed(template, optimizer, batch)
+    step = retry_on_oom(optimizer=trainer.opt, model=trainer.model)(trainer.step)
+    with SimulatedGPU(capacity) as gpu:
+        try:
+            gpu.adopt(trainer.model, trainer.opt)
+        except torch.OutOfMemoryError:  # not even the model state fits
+            return None
+        try:
+            step(batch)
+        except BatchSizeError:  # not even one row fits
+            return None
+        except AutobatchError:  # out of memory inside the optimizer's step: refused, not retried
+            return None
+    return step.stats.micro_batch_size or len(batch[0])
+
+
+def bench_smallest(workloads: list[tuple[str, int]]) -> None:
+    print("\n## 4. The smallest device a split step trains on (SimulatedGPU)")
+    print(
+        "bisection over the capacity (to 1 KiB) for one guarded step of the batch; model state = "
+        "parameters and the optimizer's state (created by a step before). Accumulating "
+        "micro-batches needs the state, one gradient (the earlier pieces' sum, joined by each new "
+        "gradient parameter by parameter), one piece's activations, and what the optimizer's "
+        "step allocates for itself (AdamW's foreach temporaries)\n"
+    )
+    print(
+        "| workload | batch | optimizer | whole batch's peak | model state | one gradient "
+        "| smallest capacity | micro-batch there | smallest − state − gradient |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, size in workloads:
+        torch.manual_seed(0)
+        template = WORKLOADS[name].model()
+        batch = make_loader(name, 1, size)[0]
+        grad = sum(p.numel() * p.element_size() for p in template.parameters())
+        for optimizer in OPTIMIZERS:
+            trainer = _primed(template, optimizer, batch)
+            state = grad + sum(
+                t.numel() * t.element_size()
+                for s in trainer.opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor)
+            )
+            low, high = state, peak_of(template, batch)
+            while high - low > 1024:
+                middle = (low + high) // 2
+                if _trains(template, optimizer, batch, middle) is None:
+                    low = middle
+                else:
+                    high = middle
+            print(
+                f"| {name} | {size} | {optimizer} | {format_bytes(peak_of(template, batch))} | "
+                f"{format_bytes(state)} | {format_bytes(grad)} | {format_bytes(high)} | "
+                f"{_trains(template, optimizer, batch, high)} | "
+                f"{format_bytes(high - state - grad)} |"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and capacities")
@@ -393,6 +473,7 @@ def main() -> None:
     capacities = 4 if args.quick else 12
     bench_retries([("mlp", 1024), ("transformer", 128)], capacities=capacities, batches=3)
     bench_peers("mlp", batches=10, size=1024)
+    bench_smallest([("mlp", 1024), ("transformer", 128)])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ from autobatch import AutobatchError, BatchSizeError, retry_on_oom
 from autobatch._accounting import call_keeping_versions
 from autobatch._recovery import oom_guard
 from autobatch._recovery._sizes import _KeyState, _Sizes
+from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import conv_net
 
 
@@ -745,6 +746,92 @@ def test_history_is_a_bounded_window_with_counters() -> None:
         assert stats.changes >= stats.shrinks + stats.grows
         assert len(stats.history) == 64  # the most recent changes
         assert stats.history[-1].step >= 150
+
+
+def _deep_mlp() -> nn.Module:
+    torch.manual_seed(11)
+    return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(128, 128), nn.Tanh())])
+
+
+def test_a_split_step_holds_one_gradient_copy_not_two() -> None:
+    """Each piece's gradient joins the sum parameter by parameter as backward produces it, so a
+    device with room for the parameters, one gradient and a layer's worth more trains the batch
+    (holding the earlier pieces' sum beside a whole new gradient would need a third copy)."""
+    x = torch.randn(512, 128, generator=torch.Generator().manual_seed(1))
+    reference = _deep_mlp()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(x).square().mean().backward()
+    ref_opt.step()
+
+    model = _deep_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+        opt.step()
+
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    capacity = int(2.5 * params)  # parameters, one gradient, half of one more
+    with SimulatedGPU(capacity, adopt=[model, opt]):
+        step(x)
+    assert step.stats.ooms >= 1
+    assert step.stats.micro_batch_size is not None
+    _same(_params(model), _params(reference))
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory when ``plan`` says so (one entry per call):
+    placed after the first layer, it fails once the later layers' gradients were summed."""
+
+    plan: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _FailInBackward.plan and _FailInBackward.plan.pop(0):
+            raise _oom()
+        return grad
+
+
+@pytest.mark.parametrize("failing", [2, 4])  # an early piece, the last piece
+def test_an_oom_after_gradients_joined_the_sum_starts_the_batch_over_exactly(failing: int) -> None:
+    g = torch.Generator().manual_seed(13)
+    x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+
+    def run(device: Device | None) -> tuple[list[torch.Tensor], Any]:
+        torch.manual_seed(12)
+        model = nn.ModuleList([
+            nn.Linear(6, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+        ])
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+        def step(batch: Any) -> None:
+            if device is not None:
+                device.check(len(batch[0]))
+            opt.zero_grad()
+            h = _FailInBackward.apply(model[0](batch[0]))
+            nn.functional.cross_entropy(model[1](h), batch[1]).backward()
+            opt.step()
+
+        fn = step if device is None else retry_on_oom(optimizer=opt)(step)
+        fn((x, y))
+        return _params(model), fn
+
+    _FailInBackward.plan = []
+    reference, _ = run(None)
+    # the whole batch fails in forward (more than 8 rows), then pieces of 8: piece ``failing``
+    # fails in backward after the last layers' gradients were added to the sum
+    _FailInBackward.plan = [False] * (failing - 1) + [True]
+    got, fn = run(Device(8))
+    assert _FailInBackward.plan == []
+    _same(got, reference)
+    assert fn.stats.ooms >= 2
+    assert fn.stats.samples_recomputed >= 32 + 8 * failing  # the earlier pieces ran again
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,15 +40,19 @@ class _Accumulation:
 
     Every gradient that flows into a tracked parameter is weighted by the piece's share of the
     batch (in place once it reaches an empty ``.grad``; on its way in where ``.grad`` already
-    holds one), so several ``backward()`` calls in one piece are weighted alike. At the end of each backward (an autograd callback) an early
-    piece's gradients move to private buffers, leaving ``.grad`` empty (code between
-    ``backward()`` and ``optimizer.step()`` then finds nothing to clip or log), and in the last
-    piece the buffers are added into ``.grad``: from there on ``.grad`` holds the whole batch's
-    gradient, also for parameters the last piece did not reach. The optimizers' ``step`` and
-    the scaler's ``unscale_``/``step``/``update`` do nothing in early pieces and run once in the
-    last. A parameter that receives a gradient after its optimizer stepped in the same piece
-    means the step interleaves optimizers (a GAN): refused, since early pieces would see the
-    parameters before their update.
+    holds one), so several ``backward()`` calls in one piece are weighted alike. As soon as a
+    parameter's gradient is there (its post-accumulate hook), it joins the sum: in an early
+    piece it is added to a private buffer and ``.grad`` is emptied (code between ``backward()``
+    and ``optimizer.step()`` then finds nothing to clip or log); in the last piece ``.grad``
+    takes the buffer in. So a split step holds the sum and one parameter's new gradient, not a
+    second whole gradient, and from the first such addition the piece is :attr:`dirty`: if it
+    fails, the batch starts over. At the end of each backward (an autograd callback) whatever is
+    left is moved or added the same way, so from there on the last piece's ``.grad`` holds the
+    whole batch's gradient, also for parameters the last piece did not reach. The optimizers'
+    ``step`` and the scaler's ``unscale_``/``step``/``update`` do nothing in early pieces and run
+    once in the last. A parameter that receives a gradient after its optimizer stepped in the
+    same piece means the step interleaves optimizers (a GAN): refused, since early pieces would
+    see the parameters before their update.
 
     Parameters given to :meth:`accumulate_in_place` (FSDP2's unsharded parameters, whose
     gradients FSDP itself sums across micro-batches that skip reduction) are weighted alike but
@@ -78,6 +82,7 @@ class _Accumulation:
         self.carried: dict[int, torch.Tensor] = {}  # gradients from before the batch (kept)
         self.carried_merged = False  # they are in .grad again: a restart could not undo that
         self.in_place: set[int] = set()
+        self.unfolded: set[int] = set()  # gradients left in .grad until the backward ends
         self.on_restart: list[Callable[[], None]] = []
         self.patches = [
             _Patch(o, "step", self._deferred(o.step, refuse_closure=True, marks=True))
@@ -92,8 +97,13 @@ class _Accumulation:
             ]
         self.track(params)
 
-    def track(self, params: Iterable[torch.Tensor]) -> None:
-        """Weight and accumulate the gradients of ``params`` too (before their backward)."""
+    def track(self, params: Iterable[torch.Tensor], *, fold: bool = True) -> None:
+        """Weight and accumulate the gradients of ``params`` too (before their backward).
+        ``fold=False``: their gradients stay in ``.grad`` until the backward ends, for someone
+        else to take first (FSDP2 reduces its unsharded gradients in its post-backward)."""
+        params = list(params)
+        if not fold:
+            self.unfolded.update(id(p) for p in params)
         for p in params:
             if p.requires_grad and id(p) not in self.ids:
                 self.ids.add(id(p))
@@ -106,7 +116,7 @@ class _Accumulation:
     def accumulate_in_place(self, params: Iterable[torch.Tensor]) -> None:
         """Weight the gradients of ``params`` too, and leave their sum in ``.grad``."""
         params = list(params)
-        self.track(params)
+        self.track(params, fold=False)
         self.in_place.update(id(p) for p in params)
 
     def begin_piece(self, weight: float, last: bool) -> None:
@@ -149,12 +159,33 @@ class _Accumulation:
         return grad * self.weight
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        if id(p) in self.pending and p.grad is not None:
+        """After a gradient reached ``p.grad``: weight it (where it arrived in an empty
+        ``.grad``), then fold it into the sum right away, parameter by parameter, so that a
+        split step holds one gradient's worth beside the step's own, not two: an early piece's
+        gradient joins its buffer and leaves ``.grad``; in the last piece ``.grad`` takes the
+        buffer in. From the first fold on the piece is :attr:`dirty` (a sum cannot be taken
+        apart again): if it fails, the batch starts over."""
+        grad = p.grad
+        if grad is None:
+            return
+        if id(p) in self.pending:
             self.pending.discard(id(p))
             if self.weight == 0.0:
-                p.grad.zero_()
+                grad.zero_()
             else:
-                p.grad.mul_(self.weight)
+                grad.mul_(self.weight)
+        if id(p) in self.in_place or id(p) in self.unfolded:
+            return
+        if self.last:
+            buffer = self.buffers.pop(id(p), None)
+            if buffer is not None:
+                self.contributed = True
+                p.grad = _add(grad, buffer)
+            return
+        self.contributed = True
+        buffer = self.buffers.get(id(p))
+        self.buffers[id(p)] = grad if buffer is None else _add(buffer, grad)
+        p.grad = None
 
     def _backward_done(self) -> None:
         self.queued = False

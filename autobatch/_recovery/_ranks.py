@@ -273,8 +273,8 @@ class _Coordination:
         self.depth = max(self.depth - 1, 0)
         if self.session is not None:
             params = _fsdp.unsharded_parameters(module, recurse=False)
-            if self.reduce_each_piece:  # (reduced at the end of each backward: none held)
-                self.session.track(params)
+            if self.reduce_each_piece:  # (FSDP reduces them in its post-backward: none held)
+                self.session.track(params, fold=False)
             else:
                 self.session.accumulate_in_place(params)
 
