@@ -182,15 +182,18 @@ MiB = 1 << 20
 def _growing_runner(steps_per_trial: int = 1) -> TrialRunner:
     """A trial whose k-th step at size n holds an n*k MiB tensor for a moment: every step
     needs a larger segment than the one before, so the reserved memory keeps growing."""
-    counts: dict[int, int] = {}
+    steps = [0]  # of the current trial: each trial makes its batch once, first
+
+    def make_batch(n: int) -> torch.Tensor:
+        steps[0] = 0  # (not keyed by id(batch): a new batch may reuse a freed one's id)
+        return torch.zeros(n, 1)
 
     def step(batch: torch.Tensor) -> None:
-        counts[id(batch)] = counts.get(id(batch), 0) + 1
-        torch.empty(len(batch) * counts[id(batch)] * MiB, dtype=torch.uint8).fill_(1)
+        steps[0] += 1
+        torch.empty(len(batch) * steps[0] * MiB, dtype=torch.uint8).fill_(1)
 
     return TrialRunner(
-        lambda n: torch.zeros(n, 1), step, memory_for("cpu"),
-        steps_per_trial=steps_per_trial, per_operator=False,
+        make_batch, step, memory_for("cpu"), steps_per_trial=steps_per_trial, per_operator=False
     )
 
 
