@@ -229,6 +229,7 @@ def test_find_with_a_sample_factory_and_options(
 # --------------------------------------------------------------------------- best and plan
 
 
+@pytest.mark.slow
 def test_best(workdir: Path, monkeypatch: pytest.MonkeyPatch,
               capsys: pytest.CaptureFixture[str]) -> None:
     searched = run(workdir, "best", *MLP, "--simulate", "2MiB", "--repeats", "1", "--warmup",

@@ -406,6 +406,7 @@ def test_a_non_oom_failure_at_batch_one_surfaces_as_itself() -> None:
         find_max_batch(model, torch.randn(3, 5), torch.optim.SGD, max_batch=64)
 
 
+@pytest.mark.slow
 def test_size_limit_errors_count_as_not_fitting_with_the_reason() -> None:
     model = nn.Linear(4, 2)
 
@@ -595,6 +596,7 @@ def test_library_cache_reuses_a_result_for_the_same_setup(tmp_path: Any) -> None
     assert other.batch_size < first.batch_size  # Adam's moments take room
 
 
+@pytest.mark.slow
 def test_unbounded_search_of_host_memory_warns() -> None:
     model = nn.Linear(4, 2)
 
