@@ -392,6 +392,7 @@ def bench_peers(name: str, batches: int, size: int) -> None:
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-3),
     "SGD, momentum": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "SGD": lambda params: torch.optim.SGD(params, lr=1e-2),
 }
 
 
@@ -438,8 +439,12 @@ def bench_smallest(workloads: list[tuple[str, int]]) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name, size in workloads:
         torch.manual_seed(0)
-        template = WORKLOADS[name].model()
-        batch = make_loader(name, 1, size)[0]
+        if name == "deep mlp":  # eight equal layers: no single layer holds much of the gradient
+            template = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(256, 256), nn.ReLU())])
+            batch = (torch.randn(size, 256), torch.randint(0, 256, (size,)))
+        else:
+            template = WORKLOADS[name].model()
+            batch = make_loader(name, 1, size)[0]
         grad = sum(p.numel() * p.element_size() for p in template.parameters())
         for optimizer in OPTIMIZERS:
             trainer = _primed(template, optimizer, batch)
@@ -473,7 +478,7 @@ def main() -> None:
     capacities = 4 if args.quick else 12
     bench_retries([("mlp", 1024), ("transformer", 128)], capacities=capacities, batches=3)
     bench_peers("mlp", batches=10, size=1024)
-    bench_smallest([("mlp", 1024), ("transformer", 128)])
+    bench_smallest([("mlp", 1024), ("transformer", 128), ("deep mlp", 2048)])
 
 
 if __name__ == "__main__":
