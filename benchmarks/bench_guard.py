@@ -440,7 +440,8 @@ def bench_smallest(workloads: list[tuple[str, int]]) -> None:
     for name, size in workloads:
         torch.manual_seed(0)
         if name == "deep mlp":  # eight equal layers: no single layer holds much of the gradient
-            template = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(256, 256), nn.ReLU())])
+            layers = [(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)]
+            template = nn.Sequential(*[m for layer in layers for m in layer])
             batch = (torch.randn(size, 256), torch.randint(0, 256, (size,)))
         else:
             template = WORKLOADS[name].model()

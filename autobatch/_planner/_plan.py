@@ -325,8 +325,8 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
         torch_rng, python_rng = save_rng_states(), random.getstate()
         try:
             setup = _MetaSetup(
-                r.model, r.sample, r.optimizer, loss_fn=r.spec.loss_fn, step_fn=r.spec.step_fn, train=r.spec.train,
-                device_type=r.device_type, block_bytes=r.block_bytes, real=True,
+                r.model, r.sample, r.optimizer, loss_fn=r.spec.loss_fn, step_fn=r.spec.step_fn,
+                train=r.spec.train, device_type=r.device_type, block_bytes=r.block_bytes, real=True,
             )
             trials: list[Trial] = []
 
@@ -369,8 +369,8 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
     if largest < first:
         needed = peaks.get(first, min(peaks.values())) + r.overhead_bytes
         raise BatchSizeError(
-            f"even the smallest batch ({r.spec.min_batch}) does not fit: measured on a CPU copy, the "
-            f"step needs about {format_bytes(needed)} (overhead "
+            f"even the smallest batch ({r.spec.min_batch}) does not fit: measured on a CPU copy, "
+            f"the step needs about {format_bytes(needed)} (overhead "
             f"{format_bytes(r.overhead_bytes)} included) of {format_bytes(r.capacity_bytes)}. Reduce "
             "the model or the input size, use mixed precision, gradient checkpointing or a "
             "sharded optimizer, or a larger device",

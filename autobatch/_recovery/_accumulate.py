@@ -174,7 +174,7 @@ class _Accumulation:
                 grad.zero_()
             else:
                 grad.mul_(self.weight)
-        if id(p) in self.in_place or id(p) in self.unfolded:
+        if id(p) in self.unfolded:  # (every in-place parameter among them)
             return
         if self.last:
             buffer = self.buffers.pop(id(p), None)
