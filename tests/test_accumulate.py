@@ -8,6 +8,7 @@ halve and the pieces are known.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -779,6 +780,34 @@ def test_a_split_step_holds_one_gradient_copy_not_two() -> None:
     assert step.stats.ooms >= 1
     assert step.stats.micro_batch_size is not None
     _same(_params(model), _params(reference))
+
+
+def test_sparse_embedding_gradients_are_summed_exactly() -> None:
+    """``nn.Embedding(sparse=True)`` gives sparse gradients: they join the sum too (not in
+    place), and the step equals the unsplit one."""
+    torch.manual_seed(0)
+    base = nn.ModuleDict({"emb": nn.Embedding(50, 8, sparse=True), "head": nn.Linear(8, 3)})
+    x, y = torch.randint(0, 50, (16, 5)), torch.randint(0, 3, (16,))
+
+    def run(device: Device | None) -> list[torch.Tensor]:
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def step(batch: Any) -> None:
+            if device is not None:
+                device.check(len(batch[0]))
+            opt.zero_grad()
+            out = model["head"](model["emb"](batch[0]).mean(1))
+            nn.functional.cross_entropy(out, batch[1]).backward()
+            opt.step()
+
+        (step if device is None else retry_on_oom(optimizer=opt)(step))((x, y))
+        return _params(model)
+
+    device = Device(4)
+    _same(run(device), run(None))
+    assert max(device.sizes) == 16
+    assert device.sizes[-1] == 4
 
 
 class _FailInBackward(torch.autograd.Function):
