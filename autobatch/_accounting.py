@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -239,23 +240,86 @@ class CountingMode(DispatchMode):
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
-_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+#: Operators that write arguments their schema does not mark: name -> the written arguments
+#: (by name), and the boolean argument that must be true for the write to happen (``None``:
+#: always). The batch norm kernels update ``running_mean`` and ``running_var`` in training
+#: with no alias annotation and no version bump (checked in torch 2.13;
+#: ``tests/test_ledger.py`` checks that each entry still writes what it says).
+HIDDEN_WRITES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "aten::native_batch_norm": (("running_mean", "running_var"), "training"),
+    "aten::cudnn_batch_norm": (("running_mean", "running_var"), "training"),
+    "aten::miopen_batch_norm": (("running_mean", "running_var"), "training"),
+    "aten::_batch_norm_impl_index": (("running_mean", "running_var"), "training"),
+    "aten::batch_norm_update_stats": (("running_mean", "running_var"), None),
+    "aten::batch_norm_gather_stats": (("running_mean", "running_var"), None),
+    "aten::batch_norm_gather_stats_with_counts": (("running_mean", "running_var"), None),
+}
+
+#: Operator namespaces that communicate with other ranks: c10d's own operators and the
+#: functional collectives that DTensor and FSDP2 issue.
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 
 
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors an operator writes to in place, as its schema says (cached per operator)."""
-    where = _WRITTEN.get(func)
-    if where is None:
-        schema = getattr(func, "_schema", None)
-        where = _WRITTEN[func] = tuple(
-            (i, a.name) for i, a in enumerate(schema.arguments if schema is not None else ())
-            if a.alias_info is not None and a.alias_info.is_write
-        )
+@dataclass(frozen=True)
+class OpFacts:
+    """What one operator overload does to its arguments, read from its schema and
+    :data:`HIDDEN_WRITES`: ``writes``, the positions and names of the arguments it writes;
+    ``when``, the position of the flag a hidden write needs (``None``: unconditional);
+    ``fresh``, its results are new storages (no return may alias an argument);
+    ``collective``, it communicates with other ranks."""
+
+    name: str
+    writes: tuple[tuple[int, str], ...]
+    when: int | None
+    fresh: bool
+    collective: bool
+
+
+@functools.cache
+def op_facts(func: Any) -> OpFacts:
+    """The :class:`OpFacts` of an ``OpOverload`` (schemas do not change: cached)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return OpFacts(str(func), (), None, False, False)
+    arguments = schema.arguments
+    writes = [
+        (i, a.name) for i, a in enumerate(arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+    when = None
+    hidden = HIDDEN_WRITES.get(schema.name)
+    if hidden is not None:
+        names, flag = hidden
+        writes += [(i, a.name) for i, a in enumerate(arguments) if a.name in names]
+        if flag is not None:
+            when = next((i for i, a in enumerate(arguments) if a.name == flag), None)
+    return OpFacts(
+        name=str(schema.name),
+        writes=tuple(writes),
+        when=when,
+        fresh=not any(r.alias_info is not None for r in schema.returns),
+        collective=getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES,
+    )
+
+
+def written_tensors(
+    facts: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors one call of an operator writes (a DTensor stands for its local shard)."""
+    if facts.when is not None:
+        flag = args[facts.when] if facts.when < len(args) else kwargs.get("training", True)
+        if not flag:
+            return []
     found: list[torch.Tensor] = []
-    for index, name in where:
+    for index, name in facts.writes:
         value = args[index] if index < len(args) else kwargs.get(name)
         found += _tensors((value,))
     return found
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an operator writes to in place."""
+    return written_tensors(op_facts(func), args, kwargs)
 
 
 def call_keeping_versions(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

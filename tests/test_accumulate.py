@@ -25,7 +25,7 @@ from autobatch import AutobatchError, BatchSizeError, retry_on_oom
 from autobatch._accounting import call_keeping_versions
 from autobatch._recovery import oom_guard
 from autobatch._recovery._sizes import _KeyState, _Sizes
-from autobatch.testing import SimulatedGPU
+from autobatch.testing import SimulatedGPU, inject_oom
 from autobatch.testing.models import conv_net
 
 
@@ -1077,16 +1077,25 @@ def test_gradients_only_add_up_across_calls_like_the_unsplit_run(accumulate: int
     _same(_params(model), _params(reference))
 
 
-def test_gradients_only_refuse_an_oom_after_adding_to_accumulated_ones() -> None:
-    model, fn, _ = _grad_only_run(100, 2)
-    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    fn((x, y))  # gradients accumulated by the caller, not stepped yet
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert len(grads) == 4
-    fault = _FailAfterParameterWrite(grads)  # fails just after backward adds to one of them
-    with fault, pytest.raises(AutobatchError, match="accumulated over earlier calls"):
-        fn((x, y))
+@pytest.mark.parametrize("at_op", [2, 6, 11])
+def test_gradients_only_an_oom_in_backward_keeps_the_accumulated_gradients_exact(at_op: int) -> None:
+    """Backward runs out of memory after autograd began adding into the gradients the caller
+    accumulated over earlier calls: they are kept apart from the failed backward, so the
+    batch is retried in micro-batches and the sum is exact (it used to be refused)."""
+    reference, ref_fn, _ = _grad_only_run(None, 2)
+    model, fn, _ = _grad_only_run(10**9, 2)
+    g = torch.Generator().manual_seed(9)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(3)]
+    for b in batches[:2]:
+        ref_fn(b)
+        fn(b)  # the gradients of the first calls, not stepped yet
+    ref_fn(batches[2])
+    with inject_oom(phase="backward", at_op=at_op) as fault:
+        fn(batches[2])
     assert fault.fired == 1
+    assert fn.stats.ooms == 1
+    _same([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
 
 
 def test_gradients_only_a_forward_oom_keeps_the_accumulated_gradients_exact() -> None:

@@ -52,14 +52,6 @@ class Device:
             raise _oom()
 
 
-@pytest.fixture
-def float64() -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
-
-
 # --------------------------------------------------------------------------------------------
 # The decorator's forms and options
 

@@ -1,4 +1,30 @@
-"""Gradient accumulation across the pieces of one batch: one optimizer step per batch."""
+"""Gradient accumulation across the pieces of one batch: one optimizer step per batch.
+
+While a split batch runs (a *session*), four things of torch are stood in for, process-wide,
+and routed to the session of the piece that runs (calls from elsewhere pass through):
+
+- ``torch.autograd.backward`` (which ``Tensor.backward`` calls): the gradient flowing in at
+  the root is the piece's share of the batch's loss, so every gradient of the backward, of
+  parameters, inputs and activations alike, is what the whole batch's backward gives it, and
+  gradient hooks on activations see the values they would see unsplit. Leaves that receive a
+  gradient are found in the graph first, so that each parameter's gradient is folded into a
+  sum (below); a parameter with a gradient hook of its own is refused, since the hook would
+  run on each micro-batch's part of the gradient instead of on the whole.
+- ``GradScaler.unscale_/step/update`` of every scaler, and ``LRScheduler.step`` of every
+  scheduler: deferred to the last piece for the scalers and the schedulers the step was given,
+  refused before they act for the other schedulers.
+- The helper of ``torch.nn.utils.clip_grad_*`` that groups gradients by device: with no
+  gradient at all (an early piece) it returns nothing instead of failing.
+
+As soon as a parameter's gradient is complete for a piece (its post-accumulate hook, which
+runs before the user's own), it joins the sum: in an early piece it is added to a private
+buffer and ``.grad`` is emptied (code between ``backward()`` and ``optimizer.step()`` finds
+nothing there); in the last piece ``.grad`` takes the buffer in. So a split step holds the sum
+and one parameter's new gradient, not a second whole gradient, and from the first fold on the
+piece is :attr:`~_Accumulation.dirty`: if it fails, the batch starts over. The optimizers'
+``step`` does nothing in early pieces and runs once in the last, with the whole batch's
+gradient in ``.grad``.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +33,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.utils.clip_grad as _clip_grad
+import torch.optim.lr_scheduler as _lr_scheduler
 from torch.utils.hooks import RemovableHandle
 
 from autobatch._errors import AutobatchError
+from autobatch._recovery import _ledger, _rules
 
 
 class _Patch:
-    """Replace an attribute of an object for a while (instance attribute, restored exactly)."""
+    """Replace an attribute of an object for a while (restored exactly)."""
 
     def __init__(self, obj: object, name: str, replacement: Callable[..., Any]) -> None:
         self.obj, self.name = obj, name
@@ -35,72 +64,181 @@ def _add(total: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
     return total + more
 
 
-class _Accumulation:
-    """One optimizer step (per optimizer given) from the pieces of a batch.
+def _first(hooks: dict[Any, Any] | None, key: Any) -> None:
+    """Make ``key``'s hook run before the others (autograd walks the dict in the order its
+    entries were inserted, which ``OrderedDict.move_to_end`` does not change)."""
+    if not hooks or key not in hooks or next(iter(hooks)) == key:
+        return
+    entries = list(hooks.items())
+    hooks.clear()
+    hooks[key] = dict(entries)[key]
+    hooks.update((k, v) for k, v in entries if k != key)
 
-    Every gradient that flows into a tracked parameter is weighted by the piece's share of the
-    batch (in place once it reaches an empty ``.grad``; on its way in where ``.grad`` already
-    holds one), so several ``backward()`` calls in one piece are weighted alike. As soon as a
-    parameter's gradient is there (its post-accumulate hook), it joins the sum: in an early
-    piece it is added to a private buffer and ``.grad`` is emptied (code between ``backward()``
-    and ``optimizer.step()`` then finds nothing to clip or log); in the last piece ``.grad``
-    takes the buffer in. So a split step holds the sum and one parameter's new gradient, not a
-    second whole gradient, and from the first such addition the piece is :attr:`dirty`: if it
-    fails, the batch starts over. At the end of each backward (an autograd callback) whatever is
-    left is moved or added the same way, so from there on the last piece's ``.grad`` holds the
-    whole batch's gradient, also for parameters the last piece did not reach. The optimizers'
-    ``step`` and the scaler's ``unscale_``/``step``/``update`` do nothing in early pieces and run
-    once in the last. A parameter that receives a gradient after its optimizer stepped in the
-    same piece means the step interleaves optimizers (a GAN): refused, since early pieces would
-    see the parameters before their update.
+
+def _subclasses(cls: type) -> list[type]:
+    found, stack = [], [cls]
+    while stack:
+        klass = stack.pop()
+        found.append(klass)
+        stack.extend(klass.__subclasses__())
+    return found
+
+
+def _leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors whose gradients a backward from ``roots`` accumulates."""
+    found: dict[int, torch.Tensor] = {}
+    stack: list[Any] = [
+        t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.setdefault(id(variable), variable)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return list(found.values())
+
+
+#: The sessions of the split batches running now, innermost last.
+_SESSIONS: list[_Accumulation] = []
+
+
+class _Standins:
+    """The process-wide stand-ins, installed while any session runs (see the module docs)."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.patches: list[_Patch] = []
+
+    def install(self) -> None:
+        self.users += 1
+        if self.users > 1:
+            return
+        real_backward = torch.autograd.backward
+        patches = [_Patch(torch.autograd, "backward", functools.partial(_backward, real_backward))]
+        scaler = torch.amp.GradScaler
+        for name in ("unscale_", "step", "update"):
+            patches.append(_Patch(scaler, name, _scaler_method(name, getattr(scaler, name))))
+        for klass in _subclasses(_lr_scheduler.LRScheduler):
+            if "step" in vars(klass):
+                patches.append(_Patch(klass, "step", _scheduler_step(vars(klass)["step"])))
+        grouping = getattr(_clip_grad, "_group_tensors_by_device_and_dtype")  # noqa: B009
+        patches.append(_Patch(_clip_grad, "_group_tensors_by_device_and_dtype",
+                              functools.partial(_group_gradients, grouping)))
+        self.patches = patches
+
+    def remove(self) -> None:
+        self.users -= 1
+        if self.users > 0:
+            return
+        for patch in reversed(self.patches):
+            patch.undo()
+        self.patches = []
+
+
+_STANDINS = _Standins()
+
+
+def _session() -> _Accumulation | None:
+    """The session whose piece runs now (its ledger is watching), if any."""
+    if not _SESSIONS:
+        return None
+    session = _SESSIONS[-1]
+    return session if session.running else None
+
+
+def _backward(real: Callable[..., Any], tensors: Any, grad_tensors: Any = None,
+              *args: Any, **kwargs: Any) -> Any:
+    session = _session()
+    if session is None or torch._C._current_autograd_node() is not None:
+        return real(tensors, grad_tensors, *args, **kwargs)  # (a recomputation inside backward)
+    return session.backward(real, tensors, grad_tensors, *args, **kwargs)
+
+
+def _scaler_method(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def deferred(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session()
+        if session is None:
+            return real(scaler, *args, **kwargs)
+        return session.scaler_call(name, real, scaler, args, kwargs)
+
+    return deferred
+
+
+def _scheduler_step(real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _session()
+        if session is None or session.stepping_scheduler:
+            return real(scheduler, *args, **kwargs)
+        return session.scheduler_call(real, scheduler, args, kwargs)
+
+    return step
+
+
+def _group_gradients(real: Callable[..., Any], tensorlistlist: Any, *args: Any, **kwargs: Any) -> Any:
+    if _session() is not None and all(not lst for lst in tensorlistlist):
+        return {}  # no gradient in an early piece: nothing to clip (torch fails on empty lists)
+    return real(tensorlistlist, *args, **kwargs)
+
+
+class _Accumulation:
+    """One optimizer step (per optimizer given) from the pieces of a batch (module docs).
 
     Parameters given to :meth:`accumulate_in_place` (FSDP2's unsharded parameters, whose
-    gradients FSDP itself sums across micro-batches that skip reduction) are weighted alike but
-    never stashed, merged or discarded: their ``.grad`` holds the earlier pieces' sum, so a
-    piece that adds to it makes the batch start over if it fails (:attr:`dirty`), and
-    :meth:`restart` clears it (and runs ``on_restart``).
+    gradients FSDP itself sums across micro-batches that skip reduction) are never stashed,
+    merged or discarded: their ``.grad`` holds the earlier pieces' sum, so a piece that adds to
+    it makes the batch start over if it fails (:attr:`dirty`), and :meth:`restart` clears it
+    (and runs ``on_restart``).
     """
 
     def __init__(
         self,
+        name: str,
         params: Iterable[torch.Tensor],
         optimizers: tuple[torch.optim.Optimizer, ...],
-        scaler: Any,
+        scalers: tuple[Any, ...] = (),
+        schedulers: tuple[Any, ...] = (),
     ) -> None:
+        self.name = name
         self.params: list[torch.Tensor] = []
         self.ids: set[int] = set()
-        self.owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
         self.handles: list[RemovableHandle] = []
         self.weight = 1.0
         self.last = False
-        self.queued = False
+        self.running = False
+        self.in_backward = 0
         self.contributed = False  # this piece's gradients reached the buffers, or .grad the sum
         self.moving = False
-        self.stepped: set[int] = set()
-        self.pending: set[int] = set()  # parameters whose fresh .grad is still to be weighted
         self.buffers: dict[int, torch.Tensor] = {}
-        self.carried: dict[int, torch.Tensor] = {}  # gradients from before the batch (kept)
-        self.carried_merged = False  # they are in .grad again: a restart could not undo that
         self.in_place: set[int] = set()
         self.unfolded: set[int] = set()  # gradients left in .grad until the backward ends
         self.on_restart: list[Callable[[], None]] = []
+        self.on_backward: list[Callable[[], None]] = []  # after each backward of a piece
+        self.owner = {id(p): o for o in optimizers for g in o.param_groups for p in g["params"]}
+        self.stepped: set[int] = set()  # optimizers whose step was called in this piece
+        self.schedulers = schedulers
+        self.stepping_scheduler = False
+        self.scalers_seen: list[Any] = list(scalers)
         self.patches = [
-            _Patch(o, "step", self._deferred(o.step, refuse_closure=True, marks=True))
-            for o in optimizers
+            _Patch(o, "step", self._deferred_step(o, o.step)) for o in optimizers
         ]
-        if scaler is not None:
-            self.patches += [
-                _Patch(scaler, name, self._deferred(
-                    getattr(scaler, name), refuse_closure=False, marks=name == "step"
-                ))
-                for name in ("unscale_", "step", "update")
-            ]
         self.track(params)
+        _STANDINS.install()
+        _SESSIONS.append(self)
+
+    # Parameters ------------------------------------------------------------------------------
 
     def track(self, params: Iterable[torch.Tensor], *, fold: bool = True) -> None:
-        """Weight and accumulate the gradients of ``params`` too (before their backward).
-        ``fold=False``: their gradients stay in ``.grad`` until the backward ends, for someone
-        else to take first (FSDP2 reduces its unsharded gradients in its post-backward)."""
+        """Fold the gradients of ``params`` too (before their backward). ``fold=False``: their
+        gradients stay in ``.grad`` until the backward ends, for someone else to take first
+        (FSDP2 reduces its unsharded gradients in its post-backward)."""
         params = list(params)
         if not fold:
             self.unfolded.update(id(p) for p in params)
@@ -108,147 +246,234 @@ class _Accumulation:
             if p.requires_grad and id(p) not in self.ids:
                 self.ids.add(id(p))
                 self.params.append(p)
-                self.handles += [
-                    p.register_hook(functools.partial(self._incoming, p)),
-                    p.register_post_accumulate_grad_hook(self._accumulated),
-                ]
+                handle = p.register_post_accumulate_grad_hook(self._accumulated)
+                _first(getattr(p, "_post_accumulate_grad_hooks", None), handle.id)
+                self.handles.append(handle)
 
     def accumulate_in_place(self, params: Iterable[torch.Tensor]) -> None:
-        """Weight the gradients of ``params`` too, and leave their sum in ``.grad``."""
+        """Leave the gradients of ``params`` summed in ``.grad`` (FSDP2's unsharded ones)."""
         params = list(params)
         self.track(params, fold=False)
         self.in_place.update(id(p) for p in params)
 
     def begin_piece(self, weight: float, last: bool) -> None:
         self.weight, self.last = weight, last
-        self.queued = self.contributed = self.moving = False
+        self.contributed = self.moving = False
         self.stepped.clear()
-        self.pending.clear()
+        self.running = True
+
+    def end_piece(self) -> None:
+        self.running = False
 
     @property
     def dirty(self) -> bool:
         """Whether the current piece changed the sum (then the batch must start over)."""
         return self.contributed or self.moving
 
-    def _incoming(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
-        """Before a gradient reaches ``p.grad``. Where ``p.grad`` is empty the gradient is
-        weighted in place once it is there (no copy); else (a second backward into the same
-        ``.grad``) the incoming gradient is weighted on its way in."""
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        if id(p) in self.in_place:
-            self.contributed = True  # the sum in .grad now holds part of this piece
-        owner = self.owner.get(id(p))
-        if owner is not None and id(owner) in self.stepped:
+    # Backward --------------------------------------------------------------------------------
+
+    def backward(self, real: Callable[..., Any], tensors: Any, grad_tensors: Any,
+                 *args: Any, **kwargs: Any) -> Any:
+        """``torch.autograd.backward`` in a piece: the root weighted by the piece's share."""
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if any(not isinstance(t, torch.Tensor) for t in roots):
             raise AutobatchError(
-                f"a parameter of {type(owner).__name__} received a gradient after "
-                f"{type(owner).__name__}.step() in the same step: the step interleaves "
-                "optimizers (as a GAN's discriminator, then generator, does). In micro-batches "
-                "the early pieces would run before that update, so the batch cannot be split "
-                "exactly: decorate each optimizer's part as its own function, or use "
-                "policy='shrink'"
+                f"{self.name} called backward() on gradient edges while its batch ran in "
+                "micro-batches; autobatch weights each micro-batch at the loss, which it cannot "
+                "do here. Call backward() on the loss tensor, or use policy='shrink'"
             )
-        if self.weight == 1.0:
-            return None
-        if p.grad is None:
-            self.pending.add(id(p))
-            return None
+        inputs = kwargs.get("inputs")
+        leaves = _leaves(roots) if inputs is None else list(
+            [inputs] if isinstance(inputs, torch.Tensor) else inputs
+        )
+        fresh = [p for p in leaves if id(p) not in self.ids and isinstance(p, torch.nn.Parameter)]
+        fresh_ids = {id(p) for p in fresh}
+        hooked = _rules.gradient_hooks(
+            p for p in leaves if id(p) in self.ids or id(p) in fresh_ids
+        )
+        if hooked:
+            ledger = _ledger.watching()
+            name = ledger.name_of(hooked[0]) if ledger is not None else "a parameter"
+            raise _rules.refusal(
+                self.name,
+                f"backpropagates into {name} ({tuple(hooked[0].shape)}), which has a gradient "
+                "hook (register_hook)",
+                _rules.user_frame(),
+                "the hook would run on each micro-batch's part of the gradient instead of on "
+                "the batch's (a clamp or a norm of parts is not the part of a clamp or a norm)",
+                "do the hook's work between backward() and optimizer.step() (for clipping, "
+                "torch.nn.utils.clip_grad_value_), where autobatch shows it the whole batch's "
+                "gradient, or use policy='shrink'",
+            )
+        self.track(fresh)
         if self.weight == 0.0:  # a piece without items: its loss (0/0) adds nothing
-            return torch.zeros_like(grad)
-        return grad * self.weight
+            self._backward_done()
+            return None
+        if self.weight != 1.0:
+            grads = (
+                [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else
+                list(grad_tensors) if grad_tensors is not None else [None] * len(roots)
+            )
+            with _rules.engine_work():
+                grad_tensors = [
+                    torch.full_like(t, self.weight) if g is None else g * self.weight
+                    for t, g in zip(roots, grads, strict=True)
+                ]
+        self.in_backward += 1
+        try:
+            result = real(roots, grad_tensors, *args, **kwargs)
+        finally:
+            self.in_backward -= 1
+        self._backward_done()
+        return result
 
     def _accumulated(self, p: torch.Tensor) -> None:
-        """After a gradient reached ``p.grad``: weight it (where it arrived in an empty
-        ``.grad``), then fold it into the sum right away, parameter by parameter, so that a
-        split step holds one gradient's worth beside the step's own, not two: an early piece's
-        gradient joins its buffer and leaves ``.grad``; in the last piece ``.grad`` takes the
-        buffer in. From the first fold on the piece is :attr:`dirty` (a sum cannot be taken
-        apart again): if it fails, the batch starts over."""
+        """After a gradient reached ``p.grad``: fold it into the sum right away, parameter by
+        parameter, so that a split step holds one gradient's worth beside the step's own, not
+        two. From the first fold on the piece is :attr:`dirty`."""
         grad = p.grad
-        if grad is None:
+        if grad is None or not self.running:
             return
-        if id(p) in self.pending:
-            self.pending.discard(id(p))
-            if self.weight == 0.0:
-                grad.zero_()
-            else:
-                grad.mul_(self.weight)
+        if not self.in_backward and self.weight != 1.0:
+            raise AutobatchError(
+                f"{self.name} ran a backward that did not go through torch.autograd.backward "
+                "(a backward function imported before autobatch started, or a C++ extension) "
+                "while its batch ran in micro-batches, so its gradients could not be weighted "
+                "per micro-batch. Call loss.backward(), or use policy='shrink'"
+            )
+        owner = self.owner.get(id(p))
+        if owner is not None and id(owner) in self.stepped:
+            label = type(owner).__name__
+            raise _rules.refusal(
+                self.name,
+                f"backpropagated into a parameter of {label} after {label}.step() in the same "
+                "step", _rules.user_frame(),
+                "the step interleaves optimizers (as a GAN's discriminator, then generator, "
+                "does); in micro-batches the early pieces would run before that update",
+                "decorate each optimizer's part as its own function, or use policy='shrink'",
+            )
+        if id(p) in self.in_place:
+            self.contributed = True  # the sum in .grad now holds part of this piece
         if id(p) in self.unfolded:  # (every in-place parameter among them)
             return
-        if self.last:
-            buffer = self.buffers.pop(id(p), None)
-            if buffer is not None:
-                self.contributed = True
-                p.grad = _add(grad, buffer)
-            return
-        self.contributed = True
-        buffer = self.buffers.get(id(p))
-        self.buffers[id(p)] = grad if buffer is None else _add(buffer, grad)
-        p.grad = None
-
-    def _backward_done(self) -> None:
-        self.queued = False
-        if self.last:
-            self.merge()
-        else:
-            self.stash()
-
-    def stash(self) -> None:
-        """Move the piece's gradients into the buffers (early pieces)."""
-        self.moving = True
-        for p in self.params:
-            grad = p.grad
-            if grad is None or id(p) in self.in_place:
-                continue
+        with _rules.engine_work():
+            if self.last:
+                buffer = self.buffers.pop(id(p), None)
+                if buffer is not None:
+                    self.contributed = True
+                    p.grad = _add(grad, buffer)
+                return
             self.contributed = True
             buffer = self.buffers.get(id(p))
             self.buffers[id(p)] = grad if buffer is None else _add(buffer, grad)
             p.grad = None
+
+    def _backward_done(self) -> None:
+        if self.last:
+            self.merge()
+        else:
+            self.stash()
+        for done in self.on_backward:
+            done()
+
+    def stash(self) -> None:
+        """Move the piece's gradients into the buffers (early pieces)."""
+        self.moving = True
+        with _rules.engine_work():
+            for p in self.params:
+                grad = p.grad
+                if grad is None or id(p) in self.in_place:
+                    continue
+                self.contributed = True
+                buffer = self.buffers.get(id(p))
+                self.buffers[id(p)] = grad if buffer is None else _add(buffer, grad)
+                p.grad = None
         self.moving = False
 
-    def carry(self) -> None:
-        """Set the gradients accumulated before this batch aside, to be added back at the end
-        (a step that leaves the optimizer step to its caller, who may accumulate over calls)."""
-        for p in self.params:
-            if p.grad is not None:
-                self.carried[id(p)] = p.grad
-                p.grad = None
-
     def merge(self) -> None:
-        """Add the earlier pieces' sums (and what was carried) into ``.grad`` (the last piece)."""
-        if not self.buffers and not self.carried:
+        """Add the earlier pieces' sums into ``.grad`` (the last piece)."""
+        if not self.buffers:
             return
         self.moving = True
-        self.carried_merged = self.carried_merged or bool(self.carried)
-        for p in self.params:
-            for store in (self.buffers, self.carried):
-                buffer = None if id(p) in self.in_place else store.pop(id(p), None)
+        with _rules.engine_work():
+            for p in self.params:
+                buffer = None if id(p) in self.in_place else self.buffers.pop(id(p), None)
                 if buffer is not None:
                     self.contributed = True
                     p.grad = buffer if p.grad is None else _add(p.grad, buffer)
         self.moving = False
 
-    def _deferred(
-        self, real: Callable[..., Any], *, refuse_closure: bool, marks: bool
+    # Deferred steps --------------------------------------------------------------------------
+
+    def _deferred_step(
+        self, optimizer: torch.optim.Optimizer, real: Callable[..., Any]
     ) -> Callable[..., Any]:
         def only_in_last_piece(*args: Any, **kwargs: Any) -> Any:
-            if refuse_closure and (args or kwargs.get("closure") is not None):
+            if args or kwargs.get("closure") is not None:
                 raise AutobatchError(
                     "optimizer.step(closure) re-evaluates the loss, which cannot be split into "
                     "micro-batches; use policy='shrink' for closure-based optimizers such as LBFGS"
                 )
-            if marks:
-                owner = getattr(real, "__self__", None)
-                if not isinstance(owner, torch.optim.Optimizer):
-                    owner = args[0] if args else kwargs.get("optimizer")
-                self.stepped.add(id(owner))
-            if not self.last:
+            self.stepped.add(id(optimizer))
+            if self.running and not self.last:
                 return None
             self.merge()
-            return real(*args, **kwargs)
+            ledger = _ledger.watching()
+            if ledger is None:
+                return real(*args, **kwargs)
+            with ledger.optimizer_step(optimizer):
+                return real(*args, **kwargs)
 
         return only_in_last_piece
+
+    def scaler_call(
+        self, name: str, real: Callable[..., Any], scaler: Any, args: Any, kwargs: Any
+    ) -> Any:
+        """A GradScaler's ``unscale_``/``step``/``update`` in a piece: the last piece's only
+        (so its inf check covers the whole batch's gradient once)."""
+        if all(scaler is not s for s in self.scalers_seen):
+            self.scalers_seen.append(scaler)
+        if not self.last:
+            return None
+        if name == "step":
+            self.merge()
+        return real(scaler, *args, **kwargs)
+
+    def scheduler_call(self, real: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
+        """An LR scheduler's ``step`` in a piece: a scheduler given steps in the last piece
+        only; any other is refused before it steps (in an early piece)."""
+        given = any(scheduler is s for s in self.schedulers)
+        label = type(scheduler).__name__
+        if args or kwargs:
+            if self.last:
+                return self._step_scheduler(real, scheduler, args, kwargs)
+            raise _rules.refusal(
+                self.name, f"called {label}.step() with arguments", _rules.user_frame(),
+                "its arguments (a loss, say) are the micro-batch's, not the batch's",
+                f"call {label}.step(...) after the decorated step returns",
+            )
+        if given:
+            if not self.last:
+                return None
+            return self._step_scheduler(real, scheduler, args, kwargs)
+        if self.last:
+            return self._step_scheduler(real, scheduler, args, kwargs)
+        raise _rules.refusal(
+            self.name, f"called {label}.step(), a scheduler autobatch was not given",
+            _rules.user_frame(),
+            "it would step once per micro-batch instead of once per batch",
+            "pass it: retry_on_oom(optimizer=opt, scheduler=sched) (it then steps once per "
+            "batch, in the last micro-batch), or step it after the decorated step returns",
+        )
+
+    def _step_scheduler(self, real: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
+        self.stepping_scheduler = True
+        try:
+            return real(scheduler, *args, **kwargs)
+        finally:
+            self.stepping_scheduler = False
+
+    # Failures --------------------------------------------------------------------------------
 
     def discard(self) -> None:
         """Forget the failed piece's gradients; the earlier pieces' sums stay."""
@@ -257,7 +482,7 @@ class _Accumulation:
                 p.grad = None
 
     def restart(self) -> None:
-        """Forget every piece: gradients to ``None`` (what was carried stays set aside)."""
+        """Forget every piece: gradients to ``None`` (the ledger puts back what was there)."""
         self.buffers.clear()
         for p in self.params:
             p.grad = None
@@ -265,6 +490,10 @@ class _Accumulation:
             forget()
 
     def close(self) -> None:
+        self.running = False
+        if self in _SESSIONS:
+            _SESSIONS.remove(self)
+            _STANDINS.remove()
         self.merge()
         for handle in self.handles:
             handle.remove()

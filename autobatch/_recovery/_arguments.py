@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from autobatch._batch import Batch, ambiguous_paths
+from autobatch._log import user_stacklevel
 
 
 def _batch_parameter(
@@ -67,3 +71,40 @@ def _count_items(value: object, name: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name}: items= returned {value!r}; a count must be finite and >= 0")
     return float(value)
+
+
+def warn_batchnorm(name: str, modules: list[nn.Module], warned: set[str]) -> None:
+    """Once per step: BatchNorm layers in training mode run in micro-batches."""
+    if "batchnorm" in warned:
+        return
+    norms = list({
+        id(m): m for top in modules for m in top.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    }.values())
+    if norms:
+        warned.add("batchnorm")
+        warnings.warn(
+            f"{name} is running in micro-batches, and {len(norms)} BatchNorm layer(s) in "
+            f"training mode ({type(norms[0]).__name__}, ...) run in it: their statistics are "
+            "computed per micro-batch, so results differ slightly from whole batches "
+            "(GroupNorm or LayerNorm do not depend on the batch)",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+def warn_tuples(name: str, batch: Batch, warned: set[str]) -> None:
+    """Once per step: a tuple as long as the batch is split as one value per sample."""
+    if "tuples" in warned:
+        return
+    paths = ambiguous_paths(batch)
+    if paths:
+        warned.add("tuples")
+        warnings.warn(
+            f"{name} splits {', '.join(paths)} (a tuple as long as the batch) as one value per "
+            "sample. If it is one value for the whole batch (an image size, say), wrap it in "
+            "autobatch.per_batch(...) where the batch is made; use a list for per-sample values "
+            "to silence this",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )

@@ -12,11 +12,13 @@ from torch import nn
 from autobatch._backends import DeviceLike
 from autobatch._recovery._engine import _Engine
 from autobatch._recovery._options import (
+    AdditiveOption,
     ItemsFn,
     OptimizerOption,
     Policy,
     RecoveryOptions,
     Reduction,
+    SchedulerOption,
 )
 from autobatch._recovery._records import RecoveryStats
 from autobatch._recovery._sizes import _Sizes
@@ -95,6 +97,8 @@ def retry_on_oom(
     headroom: float = 0.1,
     sync_ranks: bool = True,
     items: ItemsFn | None = None,
+    scheduler: SchedulerOption = None,
+    additive: AdditiveOption = None,
 ) -> Callable[[Callable[P, R]], RetryingStep[P, R]]: ...
 
 
@@ -114,6 +118,8 @@ def retry_on_oom(
     headroom: float = 0.1,
     sync_ranks: bool = True,
     items: ItemsFn | None = None,
+    scheduler: SchedulerOption = None,
+    additive: AdditiveOption = None,
 ) -> RetryingStep[P, R] | Callable[[Callable[P, R]], RetryingStep[P, R]]:
     """Make a step function survive CUDA out-of-memory by running its batch in smaller pieces.
 
@@ -158,8 +164,16 @@ def retry_on_oom(
         min_batch: the smallest piece allowed; an OOM at it raises :class:`BatchSizeError`.
         grow_after: after this many calls without OOM, try a piece twice as large (never past the
             batch); a failed try returns to the last good size and doubles the wait.
-        scaler: the ``torch.amp.GradScaler`` the step uses, so that its ``unscale_``, ``step``
-            and ``update`` run once per batch under ``"accumulate"``.
+        scaler: not needed: every ``torch.amp.GradScaler`` a split step uses has its
+            ``unscale_``, ``step`` and ``update`` run once per batch, in the last micro-batch.
+            (Giving it makes its state reset after a failed attempt even where none split.)
+        scheduler: the LR scheduler(s) the step steps, each stepped once per batch (in the
+            last micro-batch) when the batch is split. Any other scheduler stepped in a split
+            step is refused before it steps.
+        additive: tensors (or modules, for their buffers) the step adds to once per row, such
+            as a running sum of the loss times the rows: a split step may add to them in every
+            micro-batch (a failed one is undone). Anything else the step writes in place
+            outside its module's forward and its optimizer step is refused in a split step.
         model: a module the step runs, watched from the first call on (its buffers rolled
             back after a failed attempt, its parameters' gradients weighted); modules the step
             refers to by name, and modules seen running in the first calls, are watched too.
@@ -184,6 +198,8 @@ def retry_on_oom(
         headroom=headroom,
         sync_ranks=sync_ranks,
         items=items,
+        scheduler=scheduler,
+        additive=additive,
     )
 
     def decorate(step: Callable[P, R]) -> RetryingStep[P, R]:

@@ -5,18 +5,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _distributed
 from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
 from autobatch._batch import (
     Batch,
-    ambiguous_paths,
     batch_size,
     describe,
     elements_per_sample,
@@ -25,19 +24,25 @@ from autobatch._batch import (
     tensors,
 )
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._log import get_logger, user_stacklevel
+from autobatch._log import get_logger
 from autobatch._measure import PeakKeeping, _PhasePeaks
 from autobatch._oom import is_oom_error, oom_kind
 from autobatch._recovery._accumulate import _Accumulation, _reset_scaler
-from autobatch._recovery._arguments import _batch_parameter, _count_items, _modules_of
+from autobatch._recovery._arguments import (
+    _batch_parameter,
+    _count_items,
+    _modules_of,
+    warn_batchnorm,
+    warn_tuples,
+)
 from autobatch._recovery._attempt import (
     _Attempt,
     _Failure,
     _Known,
     _optimizer_in_traceback,
-    _see_optimizer_steps,
     _strip_tracebacks,
 )
+from autobatch._recovery._ledger import Ledger, see_optimizer_steps
 from autobatch._recovery._options import Policy, RecoveryOptions
 from autobatch._recovery._ranks import (
     _Coordination,
@@ -69,8 +74,8 @@ _OBSERVER: contextvars.ContextVar[_Observer | None] = contextvars.ContextVar(
 )
 
 
-#: Split batches during which the engine watches which modules run (a global forward hook).
-LEARN_SPLITS = 2
+class _Applied(AutobatchError):
+    """An OOM after part of the step's update was applied: not retried, and not undone."""
 
 
 class _Engine:
@@ -82,6 +87,8 @@ class _Engine:
         self.name = getattr(fn, "__qualname__", repr(fn))
         self.policy: Policy = cast(Policy, options.policy)
         self.optimizers = options.optimizers
+        self.schedulers = options.schedulers
+        self.additive = options.additive_tensors
         self.index, self.keyword = _batch_parameter(fn, options.batch_arg)
         self.sizes = _Sizes(
             min_batch=options.min_batch, grow_after=options.grow_after, headroom=options.headroom
@@ -97,16 +104,12 @@ class _Engine:
         self.optimized_ids = {  # the parameters the step's own optimizers update
             id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]
         }
-        self.own_ids = self.optimized_ids | {  # and model='s: zeroed before a split batch
-            id(p) for p in (options.model.parameters() if options.model is not None else ())
-        }
-        self.learn_splits = LEARN_SPLITS
+        self.ledger = Ledger(self)
         self._current: Batch | None = None  # the batch of the call in progress, for the log
         # Gradients only (no optimizer given): the caller steps, and may accumulate over calls.
         self.keeps_gradients = self.policy == "accumulate" and not self.optimizers
-        self.skips_steps = False  # a whole call ended without an optimizer step
         self.watch = _Watch()  # the caching allocator's retries, step by step
-        _see_optimizer_steps()
+        see_optimizer_steps()
 
     def coordinated(self) -> _Coordination | None:
         """The agreement with the other ranks, under a process group (unless ``sync_ranks=False``)."""
@@ -115,6 +118,33 @@ class _Engine:
         if self.coordination is None:
             self.coordination = _Coordination(self)
         return self.coordination
+
+    # What the ledger asks ---------------------------------------------------------------------
+
+    def modules_known(self) -> list[nn.Module]:
+        return self.known.modules
+
+    def named_modules_known(self) -> list[tuple[str, nn.Module]]:
+        """The known modules, each by the name the step's code gives it (``model=`` is
+        "model"), else by its type."""
+        names = {id(m): name for name, m in self.named.items()}
+        return [(names.get(id(m), type(m).__name__), m) for m in self.known.modules]
+
+    def _discover(self, args: tuple[Any, ...]) -> None:
+        """On the first call: modules among the arguments (a method's ``self``, and the modules
+        it holds as attributes)."""
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                continue
+            if isinstance(value, nn.Module):
+                self.known.add_module(value)
+                continue
+            attributes = getattr(value, "__dict__", None)
+            if isinstance(attributes, dict):
+                for name, held in list(attributes.items())[:256]:
+                    if isinstance(held, nn.Module):
+                        self.named.setdefault(f"self.{name}", held)
+                        self.known.add_module(held)
 
     # Bookkeeping ------------------------------------------------------------------------------
 
@@ -183,25 +213,6 @@ class _Engine:
         more = "" if len(params) <= 4 else f" and {len(params) - 4} more"
         return ", ".join(shown) + more
 
-    # Was anything applied that a retry would apply again? -------------------------------------
-
-    def succeeded(self, attempt: _Attempt) -> None:
-        """A whole call ran on the fast path: count it, learn from it."""
-        self.calls += 1
-        if attempt.learn:
-            attempt.learned()
-        if not attempt.ours_stepped:
-            self._note_steps(attempt)
-
-    def _note_steps(self, attempt: _Attempt) -> None:
-        """Note a whole call that took no optimizer step (it accumulates across calls)."""
-        if (
-            not attempt.ours_stepped
-            and self.optimizers
-            and self.options.scaler is None  # a scaler skips steps on overflow
-        ):
-            self.skips_steps = True
-
     # Running ----------------------------------------------------------------------------------
 
     def _capture(self, exc: BaseException) -> _Failure | None:
@@ -220,19 +231,28 @@ class _Engine:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call of the step: whole on the fast path until memory runs short."""
-        if self.sizes.states or self.coordinated() is not None:
-            # memory ran short before (pieces, measured), or every step is agreed by all ranks
+        if self.calls == 0 or self.sizes.states or self.coordinated() is not None:
+            # the first call (watched, to learn what the step changes), memory ran short
+            # before (pieces, measured), or every step is agreed by all ranks
             return self.call(args, kwargs)
-        # The fast path: a try, the parameters' version counters, a copy of the buffers that
-        # change (if any), and the modules watched on the first call.
-        attempt = _Attempt(self, learn=self.calls == 0)
+        # The fast path: a try, the parameters' version counters, a copy of the state known to
+        # change before the optimizer step (if any).
+        attempt = _Attempt(self, self._batch_tensors(args, kwargs))
         result, failure = self._attempted(attempt, args, kwargs)
         if failure is None:
-            self.succeeded(attempt)
+            self.calls += 1
+            if not attempt.ours_stepped and (self.optimizers or self.keeps_gradients):
+                self.known.carries = True  # gradients stay for the next call to add to
             if self.watch.step_done(self._watched()):
                 self._thrashing(self._locate(args, kwargs))
             return result
         return self.call(args, kwargs, failure, attempt)
+
+    def _batch_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
+        """The batch's tensors, where the step is known to write its batch in place."""
+        if not self.known.writes_batch:
+            return None
+        return list(tensors(self._locate(args, kwargs)))
 
     def _attempted(
         self, attempt: _Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -304,7 +324,6 @@ class _Engine:
             result, failure = self._attempted(attempt, args, kwargs)
             if failure is None:
                 self._finished(0)
-                attempt.learned()
                 return result
         self.tally.counts["ooms"] += 1
         raise self._unsplittable(batch, failure, reason) from failure.exc
@@ -338,6 +357,22 @@ class _Engine:
             return _count_items(self.options.items(piece), self.name) / items
         return n / total
 
+    @contextlib.contextmanager
+    def _watching(
+        self, *, early: bool, records: bool, coord: _Coordination | None, last: bool,
+        session: _Accumulation | None,
+    ) -> Iterator[None]:
+        """One watched attempt: the ledger's, kept in step with the other ranks by ``coord``."""
+        split = session is not None
+        if coord is None:
+            with self.ledger.attempt(early=early, split=split, records=records):
+                yield
+            return
+        with coord.attempt(last=last, session=session), self.ledger.attempt(
+            early=early, split=split, records=records, gate=coord.gate, on_forward=coord.forward
+        ):
+            yield
+
     def _run(
         self,
         args: tuple[Any, ...],
@@ -360,26 +395,24 @@ class _Engine:
         statistics = memory.has_statistics
         self._current = batch  # for the log of a recovery; dropped when the call ends
         coord = self.coordinated()
+        ledger = self.ledger
+        learning = self.calls == 0
+        if learning:
+            self._discover(args)
         pieces: list[tuple[int, Any, float]] = []
         done = 0
+        stepped = False  # an optimizer of the step's own stepped
         clean = True
         split = False
+        opened = False
         items: float | None = None
         session: _Accumulation | None = None
         try:
             if failure is not None:  # the whole batch failed on the fast path
                 assert attempt is not None
                 clean = False
-                session = self._recover(
-                    failure, attempt, key, eps, total, total, memory, session, observer
-                )
+                self._recover(failure, attempt, key, eps, total, total, memory, None, observer)
             else:
-                if self.optimizers:
-                    # The step zeroes them first thing; doing it here keeps the pieces' measured
-                    # costs alike (none of them frees the last step's gradients).
-                    for p in self.known.params:
-                        if id(p) in self.own_ids:
-                            p.grad = None
                 grown = self.sizes.maybe_grow(key, eps, total, _room(memory))
                 if grown is not None:
                     self._size_changed(*grown, "grow", observer)
@@ -387,23 +420,26 @@ class _Engine:
                 n = self._piece(key, eps, total - done, memory, coord)
                 if n < total and not split:
                     split = True
-                    self._warn_tuples(batch)
+                    warn_tuples(self.name, batch, self.warned)
                     if self.options.items is not None and self.options.reduction == "mean":
                         items = _count_items(self.options.items(batch), self.name)
+                last = done + n == total
+                splits = n < total and self.policy == "accumulate"  # pieces of one step
+                watched = splits or learning or coord is not None
+                if watched and not opened:
+                    ledger.open(tensors(batch), split=splits)
+                    opened = True
                 if n < total and session is None and self.policy == "accumulate":
                     session = self._accumulation()
-                last = done + n == total
-                piece = batch if n == total else slice_batch(batch, done, done + n)
+                piece = batch if n == total else _rows(batch, done, done + n)
                 weight = self._weight(batch, piece, n, total, items)
                 if session is not None:
                     session.begin_piece(weight, last)
                 piece_args, piece_kwargs = self._with_batch(args, kwargs, piece)
                 del piece
-                attempt = _Attempt(
-                    self, split=session is not None,
-                    learn=self.calls == 0 or (n < total and self.learn_splits > 0),
-                    session=session,
-                )
+                whole = None if splits else _Attempt(self)  # (a shrink piece is a whole call)
+                early = session is not None and not last
+                fresh = [not o.state for o in self.optimizers]
                 phases = _PhasePeaks(memory)  # peaks outside and inside optimizer.step
                 baseline = 0
                 if statistics:
@@ -411,9 +447,11 @@ class _Engine:
                     baseline = memory.allocated_bytes()
                 failure = None
                 try:
-                    with phases, attempt, (
-                        contextlib.nullcontext() if coord is None
-                        else coord.attempt(last=last or self.policy == "shrink", session=session)
+                    with phases, whole if whole is not None else contextlib.nullcontext(), (
+                        self._watching(
+                            early=early, records=splits or learning, coord=coord,
+                            last=last or self.policy == "shrink", session=session,
+                        ) if watched else contextlib.nullcontext()
                     ):
                         result = self.fn(*piece_args, **piece_kwargs)
                 except BaseException as exc:
@@ -422,10 +460,12 @@ class _Engine:
                         if coord is not None:
                             coord.finish(_distributed.FAILED)
                         raise
+                finally:
+                    if session is not None:
+                        session.end_piece()
                 del piece_args, piece_kwargs
-                attempt.learned()
                 if n < total:
-                    self._warn_batchnorm(attempt)
+                    warn_batchnorm(self.name, [*self.known.modules, *self.ledger.batchnorms], self.warned)
                 if coord is not None:
                     codes = coord.finish(_distributed.OK if failure is None else _distributed.OOM)
                     if max(codes) == _distributed.FAILED:
@@ -433,10 +473,13 @@ class _Engine:
                     if failure is None and max(codes) != _distributed.OK:
                         failure = self._capture(_PeerFailed(codes))
                 if failure is None:
-                    if session is not None and not last:
-                        changed = attempt.changed()
-                        if changed:
-                            raise self._changed_in_piece(changed, done, n, total)
+                    if (whole is not None and whole.ours_stepped) or (watched and ledger.stepped):
+                        stepped = True
+                    if early:
+                        assert session is not None
+                        ledger.check_piece(session.params, session.unfolded)
+                    if learning:
+                        self.known.learn(ledger.first_attempt_written())
                     if statistics:  # the step's own memory does not grow with the piece
                         self.sizes.record(key, eps, n, phases.outside - baseline)
                     pieces.append((n, result, weight))
@@ -450,45 +493,42 @@ class _Engine:
                 dirty = session is not None and session.dirty
                 if coord is not None:
                     dirty = coord.any(dirty)  # one rank's sum is spoilt: every rank starts over
-                if dirty:
+                if dirty or whole is not None:
                     lost += done  # this piece's gradients reached the sum: the batch starts over
                     pieces.clear()
                     done = 0
-                session = self._recover(
-                    failure, attempt, key, eps, n, lost, memory, session, observer, restart=dirty
+                self._recover(
+                    failure, whole, key, eps, n, lost, memory, session, observer,
+                    restart=dirty, fresh=fresh, watched=watched,
                 )
+        except BaseException as error:
+            # A refusal, an error of the step's own, a batch too large: nothing of the batch
+            # is kept. (After an update that was partly applied, the state stays as it is.)
+            if opened and not isinstance(error, _Applied):
+                if session is not None:
+                    session.restart()
+                ledger.undo_batch()
+            raise
         finally:
             self._current = None
             if session is not None:
                 session.close()
+            if opened:
+                ledger.close()
             memory.restore_peak()
-        if split:
-            self.learn_splits = max(self.learn_splits - 1, 0)
-        elif attempt is not None:
-            self._note_steps(attempt)
         self.sizes.finish(key, clean)
+        if not stepped and (self.optimizers or self.keeps_gradients):
+            self.known.carries = True  # gradients stay for the next call to add to
         self._finished(total)
         self.tally.micro_batch_size = max(n for n, _, _ in pieces) if len(pieces) > 1 else None
         if self.watch.step_done(self._watched()):
             self._thrashing(batch)
         return _combine(pieces)
 
-    def _changed_in_piece(
-        self, changed: list[torch.Tensor], done: int, n: int, total: int
-    ) -> AutobatchError:
-        return AutobatchError(
-            f"{self.name} changed {self._describe(changed)} in place while running rows "
-            f"{done}..{done + n} of a batch of {total} in micro-batches, outside the optimizer "
-            "step autobatch defers to the last micro-batch (an EMA update, a second optimizer's "
-            "own method, a manual edit): it would run once per micro-batch instead of once per "
-            "batch, so the batch is not split (that change has happened once). Move that update "
-            "out of the decorated step (after it returns), or use policy='shrink'"
-        )
-
     def _recover(
         self,
         failure: _Failure,
-        attempt: _Attempt,
+        whole: _Attempt | None,
         key: Hashable,
         eps: int,
         failed: int,
@@ -498,11 +538,13 @@ class _Engine:
         observer: _Observer | None,
         *,
         restart: bool = False,
-    ) -> _Accumulation | None:
-        """After an OOM at ``failed`` rows: check what the attempt changed, undo its buffer
-        updates, clean up, free memory, and pick a smaller size. ``lost`` samples are redone;
-        ``restart``: the batch starts over. Returns the accumulation to continue with. Under a
-        process group every rank takes the same size."""
+        fresh: list[bool] | None = None,
+        watched: bool = False,
+    ) -> None:
+        """After an OOM at ``failed`` rows: check what the attempt changed, undo it, clean up,
+        free memory, and pick a smaller size. ``whole``: the record of a whole-batch attempt;
+        else a piece of ``session`` (``restart``: its batch starts over). ``lost`` samples are
+        redone. Under a process group every rank takes the same size."""
         self.tally.counts.update(ooms=1, samples_recomputed=lost)
         if observer is not None:
             observer.oom(lost)
@@ -510,41 +552,38 @@ class _Engine:
         problem: AutobatchError | None = None
         try:
             if coord is None:  # (ranks that shard a model with FSDP2 are never independent)
-                _refuse_independent_shards(self.name, [*self.known.modules, *attempt.seen], failure)
-            attempt.check(failure, self.optimized_ids, self._describe)
-            if self.keeps_gradients and (
-                (session is None and not attempt.gradients_untouched())
-                or (session is not None and session.carried_merged and (restart or session.dirty))
-            ):
-                raise AutobatchError(
-                    f"{self.name} ran out of memory ({failure.kind}) in backward after it had "
-                    "added to gradients accumulated over earlier calls: their sum cannot be "
-                    "taken apart again, so the batch is not retried. Restore from a checkpoint; "
-                    "to avoid it, keep the batches of an accumulation window small enough, or "
-                    "give the optimizer to autobatch (optimizer=), which accumulates itself"
-                ) from failure.exc
-            if self.skips_steps and self.policy == "accumulate":
-                raise AutobatchError(
-                    f"{self.name} ran out of memory ({failure.kind}), and earlier calls returned "
-                    "without an optimizer step: it accumulates gradients across calls itself, "
-                    "and splitting a batch would drop what it accumulated so far. Accumulate "
-                    "through autobatch instead (one optimizer step per call; it splits each "
-                    "batch into micro-batches as memory needs), or use policy='shrink'"
-                ) from failure.exc
-        except AutobatchError as error:
-            if coord is None:
-                raise
-            problem = error  # raised once the other ranks know
-        if problem is None:
-            attempt.rollback()
-        if self.policy == "accumulate" and problem is None:
-            if session is None:  # a whole-batch attempt: its gradients may be partly summed
-                session = self._accumulation()
-                session.restart()
-            elif restart or session.dirty:
-                session.restart()
+                _refuse_independent_shards(self.name, self.known.modules, failure)
+            if whole is not None:
+                whole.check(failure, self.optimized_ids, self._describe)
             else:
-                session.discard()
+                self.ledger.check_failure(failure, fresh or [])
+            if watched:
+                self.ledger.check_final(failure)
+        except AutobatchError as error:
+            applied = error if isinstance(error, _Applied) else _Applied(str(error))
+            applied.__cause__ = error.__cause__
+            if coord is None:
+                raise applied from error.__cause__
+            problem = applied  # raised once the other ranks know
+        if problem is None:
+            if whole is not None:  # the whole batch: put everything back as it was
+                whole.rollback()
+                if self.ledger.is_open:
+                    if session is not None:
+                        session.restart()
+                    self.ledger.undo_batch()
+            elif restart:
+                assert session is not None
+                session.restart()
+                self.ledger.undo_batch()
+            else:
+                if session is not None:
+                    session.discard()
+                if self.ledger.is_open:
+                    self.ledger.undo_piece()
+        for scaler in session.scalers_seen if session is not None else ():
+            for optimizer in self.optimizers:
+                _reset_scaler(scaler, optimizer)
         if self.options.scaler is not None:
             for optimizer in self.optimizers:
                 _reset_scaler(self.options.scaler, optimizer)
@@ -588,47 +627,12 @@ class _Engine:
                 capacity_bytes=memory.capacity_bytes(),
             ) from failure.exc
         self._size_changed(old, new, reason, observer)
-        return session
 
     def _accumulation(self) -> _Accumulation:
-        session = _Accumulation(self.known.params, self.optimizers, self.options.scaler)
-        if self.keeps_gradients:
-            session.carry()
-        return session
-
-    def _warn_batchnorm(self, attempt: _Attempt) -> None:
-        if "batchnorm" in self.warned:
-            return
-        modules = attempt.seen if attempt.learn else self.known.modules
-        norms = list({
-            id(m): m for top in modules for m in top.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-        }.values())
-        if norms:
-            self.warned.add("batchnorm")
-            warnings.warn(
-                f"{self.name} is running in micro-batches, and {len(norms)} BatchNorm layer(s) "
-                f"in training mode ({type(norms[0]).__name__}, ...) run in it: their statistics "
-                "are computed per micro-batch, so results differ slightly from whole batches "
-                "(GroupNorm or LayerNorm do not depend on the batch)",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
-
-    def _warn_tuples(self, batch: Batch) -> None:
-        if "tuples" in self.warned:
-            return
-        paths = ambiguous_paths(batch)
-        if paths:
-            self.warned.add("tuples")
-            warnings.warn(
-                f"{self.name} splits {', '.join(paths)} (a tuple as long as the batch) as one "
-                "value per sample. If it is one value for the whole batch (an image size, say), "
-                "wrap it in autobatch.per_batch(...) where the batch is made; use a list for "
-                "per-sample values to silence this",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
+        scalers = () if self.options.scaler is None else (self.options.scaler,)
+        return _Accumulation(
+            self.name, self.known.params, self.optimizers, scalers, self.schedulers
+        )
 
     # For the guard (a front-end asks) ---------------------------------------------------------
 
@@ -645,8 +649,15 @@ class _Engine:
                 self._size_changed(*grown, "grow", _OBSERVER.get())
         n = self._piece(key, eps, total - done, memory, self.coordinated())
         if n < total:
-            self._warn_tuples(batch)
+            warn_tuples(self.name, batch, self.warned)
         return n
+
+
+def _rows(batch: Batch, start: int, stop: int) -> Batch:
+    """Rows ``[start, stop)`` of a batch (views), made outside every dispatch mode: no
+    simulated GPU or fault injection mistakes the engine's own slicing for the step's."""
+    with _disable_current_modes():
+        return slice_batch(batch, start, stop)
 
 
 def _room(memory: DeviceMemory) -> int | None:

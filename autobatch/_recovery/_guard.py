@@ -122,6 +122,11 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
                 yield batch  # the step reports why it cannot split, if it has to
                 self._batch_done(0)
                 continue
+            if total == 0:  # an empty batch is handed out as it is, as before any OOM
+                self._current = batch
+                yield batch
+                self._batch_done(0)
+                continue
             done = 0
             while done < total:
                 n = engine.guard_piece(batch, done, total)

@@ -17,6 +17,8 @@ Reduction = Literal["mean", "sum"]
 
 
 OptimizerOption = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+SchedulerOption = Any  # an LR scheduler, or a sequence of them
+AdditiveOption = torch.Tensor | nn.Module | Sequence[torch.Tensor | nn.Module] | None
 ItemsFn = Callable[[Any], Any]
 
 
@@ -40,9 +42,12 @@ class RecoveryOptions:
     headroom: float = 0.1
     sync_ranks: bool = True
     items: ItemsFn | None = None
+    scheduler: SchedulerOption = None
+    additive: AdditiveOption = None
 
     def __post_init__(self) -> None:
         optimizers = self.optimizers
+        _ = self.schedulers, self.additive_tensors  # checked here
         if self.policy is None:
             object.__setattr__(self, "policy", "accumulate" if optimizers else "shrink")
         if self.policy not in ("accumulate", "shrink"):
@@ -99,3 +104,39 @@ class RecoveryOptions:
             "optimizer must be a torch.optim.Optimizer or a non-empty list of distinct ones "
             f"(every optimizer the step calls), got {given!r}"
         )
+
+    @property
+    def schedulers(self) -> tuple[Any, ...]:
+        """The LR schedulers the step steps, each once per batch (empty without one)."""
+        given = self.scheduler
+        if given is None:
+            return ()
+        found = tuple(given) if isinstance(given, (list, tuple)) else (given,)
+        bad = [s for s in found if not callable(getattr(s, "step", None))
+               or not hasattr(s, "optimizer")]
+        if bad or not found:
+            raise TypeError(
+                "scheduler must be an LR scheduler (torch.optim.lr_scheduler) or a list of them, "
+                f"each stepped once per batch; got {given!r}"
+            )
+        return found
+
+    @property
+    def additive_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors declared additive per micro-batch (a module stands for its buffers)."""
+        given = self.additive
+        if given is None:
+            return ()
+        items = list(given) if isinstance(given, (list, tuple)) else [given]
+        found: list[torch.Tensor] = []
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, nn.Module):
+                found.extend(item.buffers())
+            else:
+                raise TypeError(
+                    "additive must be tensors (or modules, for their buffers) that the step adds "
+                    f"to once per row, such as a running sum of losses; got {item!r}"
+                )
+        return tuple(found)

@@ -10,10 +10,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from autobatch import _distributed, _fsdp
@@ -24,6 +20,7 @@ from autobatch._oom import is_oom_error
 from autobatch._recovery._accumulate import _Accumulation, _Patch
 from autobatch._recovery._attempt import _VERSION, _Failure, _Known, _strip_tracebacks
 from autobatch._recovery._records import _Tally
+from autobatch._recovery._rules import first_step_retryable
 
 logger = get_logger("recovery")
 
@@ -39,8 +36,6 @@ class _Host(Protocol):
 
 #: How often a first ``optimizer.step()`` that ran out of memory is tried under a process group.
 STEP_TRIES = 3
-#: Attempts watched for collectives of the step's own; where none was seen, no gate after them.
-GATE_ATTEMPTS = 4
 
 
 class _PeerFailed(AutobatchError):
@@ -125,10 +120,8 @@ class _Coordination:
         self.armed = False  # a DDP forward ran: average at the end of the next backward
         self.queued = False
         self.hooked: set[int] = set()  # DDP modules whose parameters carry our gradient hook
-        self.patched: list[_Patch] | None = None
-        self.watched = 0  # attempts run with the collective gate
-        self.collectives = False  # the step issues collectives of its own
-        self.gated = False  # this attempt runs under the collective gate
+        self.gradient_hooks: list[Any] = []  # on DDP parameters, for this attempt only
+        self.allocated = True
         self.sharded: bool | None = None  # the step runs FSDP2 modules (None: not looked yet)
         self.roots: list[nn.Module] = []  # FSDP2 roots whose forward ran in this attempt
         self.known_roots: dict[int, nn.Module] = {}  # every FSDP2 root seen, checked once
@@ -195,19 +188,17 @@ class _Coordination:
 
     @contextlib.contextmanager
     def attempt(self, *, last: bool, session: _Accumulation | None) -> Iterator[None]:
-        """Run one attempt in lockstep with the other ranks; ``last``: its piece ends the batch."""
-        if self.patched is None:
-            self.patched = [
-                _Patch(o, "step", functools.partial(self._step, o, o.step))
-                for o in self.engine.optimizers
-            ]
+        """Run one attempt in lockstep with the other ranks; ``last``: its piece ends the batch.
+        The engine's ledger watches it, and calls :meth:`gate` before every collective and
+        :meth:`forward` at every module's forward."""
+        patches = [  # (undone after the attempt, before the session's own)
+            _Patch(o, "step", functools.partial(self._step, o, o.step))
+            for o in self.engine.optimizers
+        ]
         self.settled = None
         self.active, self.last, self.session = True, last, session
         self.armed = self.queued = False
-        hooks = [
-            register_module_forward_pre_hook(self._before_forward),
-            register_module_forward_hook(self._after_forward, always_call=True),
-        ]
+        self.allocated = True
         if self.sharded is None:
             self.sharded = bool(_fsdp.sharded(self.engine.known.modules))
         if session is not None and session is not self.hooked_session:
@@ -215,24 +206,19 @@ class _Coordination:
             session.on_restart.append(self._forget_sharded_gradients)
             self.held = 0
         self.ran_sharded = False
-        gate = None
-        if self.collectives or self.sharded or self.watched < GATE_ATTEMPTS:
-            # (a DDP forward under way has its collectives agreed before it: see _before_forward)
-            gate = _distributed.CollectiveGate(self.checkpoint, lambda: bool(self.flags))
-            self.watched += 1
-        self.gated = gate is not None
         failed = False
         try:
-            with gate if gate is not None else contextlib.nullcontext():
-                yield
+            yield
         except BaseException:
             failed = True
             raise
         finally:
-            if gate is not None and gate.seen:
-                self.collectives = True
-            for hook in hooks:
-                hook.remove()
+            for handle in self.gradient_hooks:
+                handle.remove()
+            self.gradient_hooks = []
+            self.hooked.clear()
+            for patch in reversed(patches):
+                patch.undo()
             self.active = self.armed = self.queued = False
             self.session = None
             while self.flags:
@@ -241,17 +227,27 @@ class _Coordination:
             self.modules.clear()
             self._end_sharded(failed, whole=session is None)
 
+    def gate(self, func: Any, allocated: bool) -> None:
+        """Before a collective of the step's own (an all-reduce, SyncBatchNorm's gathers, a
+        DTensor operator that may redistribute): agree that no rank has failed. A collective
+        inside a DDP forward was agreed before that forward; a run of in-place collectives
+        (one per gradient) with nothing allocated between them is agreed once."""
+        if self.flags or not allocated:
+            return
+        self.checkpoint()
+
+    def forward(self, module: nn.Module, entering: bool) -> None:
+        """A module's forward begins (``entering``) or ends."""
+        if entering:
+            self._before_forward(module, ())
+        else:
+            self._after_forward(module, (), None)
+
     # FSDP2 ------------------------------------------------------------------------------------
 
     def _sharded_forward(self, module: nn.Module) -> None:
         """An FSDP2 module's forward begins (before FSDP's own hook gathers its parameters)."""
         self.sharded = True
-        if not self.gated:
-            self._refuse(
-                f"{self.engine.name} ran an FSDP2 module for the first time after autobatch "
-                "stopped watching it for collectives; pass retry_on_oom(model=...) so that "
-                "autobatch knows from the first call that the step is sharded"
-            )
         if self.depth == 0 and torch._C._current_autograd_node() is None:  # a root (not a
             # recomputation inside backward under activation checkpointing)
             if id(module) not in self.known_roots:
@@ -348,9 +344,10 @@ class _Coordination:
         self.flags.append((module, wanted))
         if id(module) not in self.hooked:
             self.hooked.add(id(module))
-            for p in module.module.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._gradient_ready)
+            self.gradient_hooks += [
+                p.register_post_accumulate_grad_hook(self._gradient_ready)
+                for p in module.module.parameters() if p.requires_grad
+            ]
         module.require_backward_grad_sync = False  # for this forward: autobatch averages later
         self.armed = self.armed or (self.last and wanted)  # where DDP would reduce, so do we
         if module.broadcast_buffers and any(True for _ in module.module.buffers()):
@@ -417,15 +414,16 @@ class _Coordination:
                 return real(*args, **kwargs)
             except BaseException as exc:
                 _strip_tracebacks(exc)
-                unchanged = versions == list(map(_VERSION, params))
+                changed = versions != list(map(_VERSION, params))
                 error = exc
                 retry = is_oom_error(exc) and not isinstance(exc, AutobatchError)
-                if not (retry and first and unchanged):
+                if not (retry and first_step_retryable(
+                    optimizer, fresh=first, params_changed=changed
+                )):
                     break
             # Out of the except block: the failed first step is gone. The other ranks learn
             # nothing of this retry: the averaged gradients are the same, so is the update.
             self.engine.tally.counts["ooms"] += 1
-            optimizer.state.clear()  # every entry was made by the failed first step
             error = None
             free_memory(params[0].device if params else None)
         raise AutobatchError(

@@ -1,0 +1,658 @@
+"""The write ledger: every change a watched attempt of a step makes to state that existed
+before it, and whether the batch can then be replayed exactly.
+
+While a batch runs in micro-batches (and on a step's first call, and under a process group),
+each attempt runs under :class:`_Mode`, a ``TorchDispatchMode`` that sees every operator the
+step dispatches, on autograd's threads too (torch hands the mode to backward). An operator's
+schema says which arguments it writes (``Tensor(a!)``), and
+:data:`autobatch._accounting.HIDDEN_WRITES` the few that write without saying so (batch norm's
+running statistics). A write to a tensor created during the attempt is the step's own
+business; a write to one that existed before it is looked up in the ledger's index (the
+model's parameters and buffers, gradients, optimizer state, metric states, tensors declared
+additive, the batch) and judged by the rule of its kind (:data:`._rules.RULES`).
+
+Other changes are seen at the edges of an attempt (:data:`CHECKS`): a ``.grad`` assigned, a
+changed optimizer hyperparameter (an LR scheduler not given). Optimizer steps are seen by one
+process-wide pre-hook (:func:`see_optimizer_steps`), for the ledger and for the fast path's
+attempts alike. After a refusal, or any error other than an out-of-memory one, the batch is
+undone: the state is as it was before the call. A step that runs whole and does not run out
+of memory is never watched (see :mod:`._attempt` for its cheaper checks).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.hooks import RemovableHandle
+
+from autobatch._accounting import (
+    DispatchMode,
+    _tensors,
+    call_keeping_versions,
+    op_facts,
+    written_tensors,
+)
+from autobatch._backends import restore_rng_states, save_rng_states
+from autobatch._errors import AutobatchError
+from autobatch._recovery import _attempt
+from autobatch._recovery._rules import (
+    RULES,
+    Kind,
+    Verdict,
+    Write,
+    _compiled,
+    _describe,
+    _engine_busy,
+    _forward_module,
+    _from_distributed,
+    _hyperparameters,
+    _is_metric,
+    _key,
+    _metric_state,
+    _put_metric,
+    _search,
+    engine_work,
+    first_step_error,
+    first_step_retryable,
+    host_copy,
+    refusal,
+    user_frame,
+)
+
+#: Ledgers watching an attempt now, innermost last (process-wide: backward hooks run on
+#: autograd's own threads, where context variables of the caller are not set).
+_WATCHING: list[Ledger] = []
+
+
+def watching() -> Ledger | None:
+    """The innermost ledger watching an attempt, if any."""
+    return _WATCHING[-1] if _WATCHING else None
+
+
+
+# Optimizer steps, seen process-wide ------------------------------------------------------------
+
+_step_hook: RemovableHandle | None = None
+
+
+def see_optimizer_steps() -> None:
+    """Install, once per process, the hook through which ledgers and the fast path's attempts
+    see every optimizer step begin (a list and a context-variable read per ``step()``)."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_optimizer_stepping)
+
+
+def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    ledger = watching()
+    if ledger is not None:
+        ledger.optimizer_stepping(optimizer)
+    attempt = _attempt.current()
+    if attempt is not None:
+        attempt.optimizer_stepping(optimizer)
+
+
+class _Host(Protocol):
+    """What the ledger needs of the engine whose attempts it watches."""
+
+    name: str
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    schedulers: tuple[Any, ...]
+    additive: tuple[torch.Tensor, ...]
+
+    def modules_known(self) -> list[nn.Module]: ...
+
+    def named_modules_known(self) -> list[tuple[str, nn.Module]]: ...
+
+
+_View = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _view(tensor: torch.Tensor) -> _View:
+    """Which bytes of which storage a tensor is."""
+    return (
+        _key(tensor), int(tensor.storage_offset()), tuple(map(int, tensor.shape)),
+        tuple(map(int, tensor.stride())),
+    )
+
+
+#: Backups larger than this are kept in host memory, not on the device.
+HOST_BACKUP_BYTES = 2**20
+
+
+@dataclass
+class _Backups:
+    """Copies of tensors taken before their first write, put back in reverse order."""
+
+    entries: dict[_View, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def take(self, tensor: torch.Tensor, copy: torch.Tensor | None = None) -> torch.Tensor:
+        view = _view(tensor)
+        found = self.entries.get(view)
+        if found is not None:
+            return found[1]
+        if copy is None:
+            if tensor.numel() * tensor.element_size() > HOST_BACKUP_BYTES:
+                copy = host_copy(tensor)  # (device memory is short: that is why we are here)
+            else:
+                with engine_work(), torch.no_grad():
+                    copy = tensor.detach().clone()
+        self.entries[view] = (tensor, copy)
+        return copy
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        return _view(tensor) in self.entries
+
+    def put_back(self) -> None:
+        with engine_work(), torch.no_grad():
+            for tensor, copy in reversed(list(self.entries.values())):
+                if copy.device != tensor.device:
+                    with _disable_current_modes():  # (from host memory, uncounted)
+                        tensor.copy_(copy)
+                else:
+                    tensor.copy_(copy)
+        self.entries.clear()
+
+
+# The dispatch mode ------------------------------------------------------------------------------
+
+
+class _Mode(DispatchMode):
+    """Hands every write and every new storage of a watched attempt to its ledger, and every
+    collective to its gate.
+
+    Code compiled with ``torch.compile`` runs compiled under it (``ignore_compile_internals``):
+    dynamo would otherwise run a frame first seen under a mode eagerly from then on. What
+    compiled code writes is therefore not seen; the ledger copies the buffers of compiled
+    modules before each attempt instead.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__()
+        self.ledger = ledger
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _engine_busy():
+            return call_keeping_versions(func, args, kwargs)
+        ledger = self.ledger
+        facts = op_facts(func)
+        if ledger.gate is not None:
+            if facts.collective or ledger.distributes(args):
+                ledger.gate(func, ledger.allocated)
+                ledger.allocated = False
+            elif facts.fresh:
+                ledger.allocated = True
+        if not ledger.records:
+            return call_keeping_versions(func, args, kwargs)
+        if facts.writes:
+            for tensor in written_tensors(facts, args, kwargs):
+                ledger.writing(tensor, facts.name)
+        out = call_keeping_versions(func, args, kwargs)
+        if facts.fresh:
+            fresh = ledger.fresh
+            if type(out) is torch.Tensor:
+                fresh.add(_key(out))
+            else:
+                for tensor in _tensors((out,)):
+                    fresh.add(_key(tensor))
+        return out
+
+
+# The ledger -----------------------------------------------------------------------------------
+
+
+class Ledger:
+    """The writes of one engine's watched attempts, its backups, and the verdicts.
+
+    A batch on the slow path: :meth:`open` (builds the index of what exists), then one
+    :meth:`attempt` per piece, :meth:`check_piece` after a piece that succeeded,
+    :meth:`undo_piece` / :meth:`undo_batch` after one that failed, :meth:`close` at the end.
+    """
+
+    def __init__(self, host: _Host) -> None:
+        self.host = host
+        self.index: dict[int, tuple[Kind, str]] = {}
+        self.fresh: set[int] = set()
+        self.records = False  # writes are recorded (else only collectives are gated)
+        self.gate: Callable[[Any, bool], None] | None = None
+        self.allocated = True  # an operator allocated since the gate last ran
+        self.early = False
+        self.split = False
+        self.stepping = False  # inside the real step of one of the step's optimizers
+        self.stepped = False  # such a step began in this attempt
+        self.wrote_in_step = False  # it wrote the parameters or its state
+        self.step_versions: list[tuple[torch.Tensor, int]] = []
+        self.final: list[Write] = []  # writes that cannot be undone
+        self.piece = _Backups()
+        self.batch = _Backups()
+        self.metrics: list[nn.Module] = []
+        self.metric_batch: list[Any] = []
+        self.metric_piece: list[Any] = []
+        self.hyper: list[list[dict[str, Any]]] = []
+        # the gradients there were when the batch began, held weakly: a step that zeroes its
+        # gradients first frees them, as it would unsplit (one gradient's worth of memory)
+        self.carried: list[tuple[torch.Tensor, weakref.ref[torch.Tensor] | None]] = []
+        self.rng_batch: dict[str, Any] | None = None
+        self.rng_piece: dict[str, Any] | None = None
+        self.learned: list[tuple[Kind, torch.Tensor]] = []  # written before a step, for the fast path
+        self.params: list[torch.Tensor] = []
+        self.opaque: list[torch.Tensor] = []  # buffers of compiled modules
+        self._norms: dict[int, nn.Module] = {}  # BatchNorm layers seen updating statistics
+        self._is_open = False
+
+    # The batch --------------------------------------------------------------------------------
+
+    def open(self, batch_tensors: Iterable[torch.Tensor], *, split: bool) -> None:
+        """A batch begins on the slow path: index what exists now, and save what a restart
+        puts back (gradients, hyperparameters, metric states, RNG)."""
+        self._is_open = True
+        self.split = split
+        index: dict[int, tuple[Kind, str]] = {}
+        host = self.host
+        params: dict[int, torch.Tensor] = {}
+        p: torch.Tensor
+        names: dict[int, str] = {}
+        metrics: dict[int, nn.Module] = {}
+        opaque: dict[int, torch.Tensor] = {}
+        for prefix, module in host.named_modules_known():
+            for sub in module.modules():
+                if _is_metric(sub):
+                    metrics[id(sub)] = sub
+                if _compiled(sub):
+                    opaque.update((id(b), b) for b in sub.buffers() if b is not None)
+            for name, p in module.named_parameters():
+                params.setdefault(id(p), p)
+                names.setdefault(id(p), f"{prefix}.{name}")
+            for name, b in module.named_buffers():
+                for t in _tensors((b,)):
+                    index.setdefault(_key(t), (Kind.BUFFER, f"{prefix}.{name}"))
+        self.opaque = list(opaque.values())
+        for optimizer in host.optimizers:
+            label = type(optimizer).__name__
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    params.setdefault(id(p), p)
+                    names.setdefault(id(p), f"a parameter of {label}")
+                for key, value in group.items():
+                    if isinstance(value, torch.Tensor):
+                        index[_key(value)] = (Kind.OPTIMIZER, f"{label} param_groups[...][{key!r}]")
+            for p, state in optimizer.state.items():
+                for key, value in state.items():
+                    for t in _tensors((value,)):
+                        index[_key(t)] = (Kind.OPTIMIZER, f"{label}.state[{names.get(id(p), 'p')}][{key!r}]")
+        self.params = list(params.values())
+        self.carried = []
+        for p in self.params:
+            name = names.get(id(p), "a parameter")
+            for t in _tensors((p,)):
+                index[_key(t)] = (Kind.PARAMETER, name)
+            self.carried.append((p, None if p.grad is None else weakref.ref(p.grad)))
+            if p.grad is not None:
+                for t in _tensors((p.grad,)):
+                    index[_key(t)] = (Kind.GRADIENT, f"{name}.grad")
+        self.metrics = list(metrics.values())
+        for metric in self.metrics:
+            for name in getattr(metric, "_defaults", {}):
+                for t in _tensors((getattr(metric, name, None),)):
+                    index[_key(t)] = (Kind.METRIC, f"{type(metric).__name__}.{name}")
+        for i, t in enumerate(host.additive):
+            for inner in _tensors((t,)):
+                index[_key(inner)] = (Kind.ADDITIVE, f"additive[{i}]")
+        for t in batch_tensors:
+            index.setdefault(_key(t), (Kind.BATCH, "the batch"))
+        self.index = index
+        self.metric_batch = [_metric_state(m) for m in self.metrics]
+        self.hyper = [_hyperparameters(o) for o in host.optimizers]
+        self.rng_batch = save_rng_states()
+        self.batch = _Backups()
+
+    @property
+    def batchnorms(self) -> list[nn.Module]:
+        """The BatchNorm layers seen updating their statistics in watched attempts."""
+        return list(self._norms.values())
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a batch is open (between :meth:`open` and :meth:`close`)."""
+        return self._is_open
+
+    def close(self) -> None:
+        """The batch ended (done, or raised): forget its records."""
+        self._is_open = False
+        self.index = {}
+        self.fresh = set()
+        self.piece = _Backups()
+        self.batch = _Backups()
+        self.metric_batch = self.metric_piece = []
+        self.carried = []
+        self.rng_batch = self.rng_piece = None
+
+    # One attempt ------------------------------------------------------------------------------
+
+    @contextmanager
+    def attempt(
+        self,
+        *,
+        early: bool,
+        split: bool = False,
+        records: bool = True,
+        gate: Callable[[Any, bool], None] | None = None,
+        on_forward: Callable[[nn.Module, bool], None] | None = None,
+    ) -> Iterator[None]:
+        """Watch one attempt: ``early``, a micro-batch before the last; ``records``, judge its
+        writes (else only ``gate`` collectives); ``on_forward(module, entering)`` hears of
+        every module's forward."""
+        self.early = early
+        self.split = split
+        self.records = records
+        self.gate = gate
+        self.allocated = True
+        self.stepping = self.stepped = self.wrote_in_step = False
+        self.step_versions = []
+        self.final = []
+        self.fresh = set()
+        self.piece = _Backups()
+        if records and self._is_open:
+            self.metric_piece = [_metric_state(m) for m in self.metrics]
+            self.rng_piece = save_rng_states()
+            for buffer in self.opaque:  # written by compiled code, where the mode cannot see
+                self.writing(buffer, "a compiled module's forward", force=Kind.BUFFER)
+
+        hooks = [] if on_forward is None else [  # (for the ranks' agreement only)
+            register_module_forward_pre_hook(lambda module, args: on_forward(module, True)),
+            register_module_forward_hook(
+                lambda module, args, output: on_forward(module, False), always_call=True
+            ),
+        ]
+        _WATCHING.append(self)
+        try:
+            with _Mode(self):
+                yield
+        finally:
+            _WATCHING.remove(self)
+            for hook in hooks:
+                hook.remove()
+            self.gate = None
+            self.records = False
+
+    def distributes(self, args: tuple[Any, ...]) -> bool:
+        """Whether an operator takes a DTensor (outside an optimizer's step): DTensor may
+        redistribute its arguments, a collective the mode cannot see from inside."""
+        if self.stepping:
+            return False
+        return any(
+            type(t) is not torch.Tensor and type(t) is not nn.Parameter
+            and type(t).__name__ == "DTensor" for t in args if isinstance(t, torch.Tensor)
+        )
+
+    @contextmanager
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """The real step of one of the step's own optimizers runs (deferred to the last piece)."""
+        self.stepped = True
+        self.step_versions += [
+            (p, p._version) for g in optimizer.param_groups for p in g["params"]
+        ]
+        outer = self.stepping
+        self.stepping = True
+        try:
+            yield
+        finally:
+            self.stepping = outer
+
+    def step_changed_parameters(self) -> bool:
+        """Whether an optimizer step of this attempt wrote a parameter (seen by the mode, or
+        by the version counters where compiled code wrote it)."""
+        return self.wrote_in_step or any(p._version != v for p, v in self.step_versions)
+
+    def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer's step begins (the process-wide pre-hook): one the step was not
+        given is refused in a split batch before it changes anything, and makes a whole
+        attempt final."""
+        if any(optimizer is o for o in self.host.optimizers):
+            self.stepped = True
+            return
+        label = type(optimizer).__name__
+        if self.split:
+            raise refusal(
+                self.host.name,
+                f"called {label}.step(), an optimizer autobatch was not given",
+                user_frame(),
+                "that optimizer would step once per micro-batch instead of once per batch",
+                "pass every optimizer the step calls, retry_on_oom(optimizer=[opt_a, opt_b]); "
+                "where one optimizer's step feeds the next part of the step (a GAN's "
+                "discriminator, then its generator), decorate each part as its own function; "
+                "or use policy='shrink'",
+            )
+        self.final.append(Write(
+            Kind.PARAMETER, f"the parameters of {label}", f"{label}.step()", user_frame(),
+            False, False, False, True,
+        ))
+
+    def writing(self, tensor: torch.Tensor, op: str, force: Kind | None = None) -> None:
+        """An operator is about to write ``tensor``: refuse, back it up, or let it be.
+        (``force``: a write assumed, of that kind, in a module's forward.)"""
+        key = _key(tensor)
+        if key in self.fresh:
+            return
+        if self.stepping:
+            self.wrote_in_step = True
+            return
+        found = self.index.get(key)
+        if found is None:
+            found = self._classify(tensor, key)
+        kind, name = found
+        module = _forward_module() if kind is Kind.BUFFER and force is None else None
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            self._norms[id(module)] = module
+        write = Write(
+            kind=kind, name=name, op=op, where="", early=self.early,
+            forward=force is not None or module is not None,
+            backward=torch._C._current_autograd_node() is not None,
+            stepped=self.stepped,
+        )
+        rule = RULES[kind]
+        verdict = rule.decide(write)
+        if verdict is Verdict.ALLOW:
+            return
+        if verdict is Verdict.BACKUP:
+            if self._is_open:
+                copy = self.batch.take(tensor) if tensor not in self.batch else None
+                self.piece.take(tensor, copy)
+            else:  # a whole attempt (no batch opened): one set of copies
+                self.piece.take(tensor)
+            if kind in (Kind.OTHER, Kind.BUFFER, Kind.METRIC, Kind.ADDITIVE):
+                self.learned.append((kind, tensor))
+            return
+        where = user_frame()
+        if verdict is Verdict.FINAL:
+            self.final.append(Write(
+                kind, name, op, where, write.early, write.forward, write.backward, write.stepped
+            ))
+            return
+        shown = name or self.name_of(tensor)
+        raise refusal(
+            self.host.name,
+            f"changed {kind.value} {shown} ({_describe(tensor)}) in place ({op})",
+            where, rule.why, rule.fix,
+        )
+
+    def _classify(self, tensor: torch.Tensor, key: int) -> tuple[Kind, str]:
+        """A tensor not in the index: a buffer of a module whose forward runs, torch.distributed's
+        own, or another tensor."""
+        module = _forward_module()
+        if module is not None:
+            for name, buffer in module.named_buffers():
+                if buffer is not None and _key(buffer) == key:
+                    found = (Kind.BUFFER, f"{type(module).__name__}.{name}")
+                    self.index[key] = found
+                    return found
+        if _from_distributed():
+            return (Kind.FRAMEWORK, "")
+        return (Kind.OTHER, "")
+
+    def name_of(self, tensor: torch.Tensor) -> str:
+        """Where a tensor can be found, for messages: a module path, an attribute, a key."""
+        key = _key(tensor)
+        indexed = self.index.get(key)
+        if indexed is not None and indexed[1]:
+            return indexed[1]
+        for prefix, module in self.host.named_modules_known():
+            for name, t in (*module.named_parameters(), *module.named_buffers()):
+                if t is not None and _key(t) == key:
+                    return f"{prefix}.{name}"
+        found = _search(getattr(self.host, "fn", None), key)
+        return found or "(a tensor the step holds)"
+
+    # After an attempt -------------------------------------------------------------------------
+
+    def check_piece(self, params: Iterable[torch.Tensor], unfolded: set[int]) -> None:
+        """After an early piece that succeeded: refuse what it changed outside the operators
+        (run before any optimizer stepped)."""
+        for check in CHECKS:
+            check(self, list(params), unfolded)
+        self.piece = _Backups()
+
+    def undo_piece(self) -> None:
+        """Put back what the failed attempt changed (the earlier pieces' work stays)."""
+        self.piece.put_back()
+        for saved in self.metric_piece:
+            _put_metric(saved)
+        if self.rng_piece is not None:
+            restore_rng_states(self.rng_piece)
+
+    def undo_batch(self) -> None:
+        """Put back everything since the batch began (a restart, a refusal, an error)."""
+        self.piece = _Backups()
+        self.batch.put_back()
+        for saved in self.metric_batch:
+            _put_metric(saved)
+        for optimizer, groups in zip(self.host.optimizers, self.hyper, strict=False):
+            for group, saved in zip(optimizer.param_groups, groups, strict=False):
+                group.update(saved)
+        for p, ref in self.carried:
+            p.grad = None if ref is None else ref()  # (None: the step set it to None itself)
+        if self.rng_batch is not None:
+            restore_rng_states(self.rng_batch)
+
+    def check_failure(self, failure: _attempt._Failure, fresh: list[bool]) -> None:
+        """A piece failed: refuse unless nothing it did is beyond undoing (its optimizer step,
+        once begun, only while it created its state and before any parameter changed)."""
+        ledger = self
+        if not ledger.stepped:
+            return
+        inside = failure.inside
+        if inside is not None and any(inside is o for o in self.host.optimizers):
+            index = next(i for i, o in enumerate(self.host.optimizers) if o is inside)
+            if first_step_retryable(
+                inside, fresh=fresh[index] if index < len(fresh) else False,
+                params_changed=ledger.step_changed_parameters(),
+            ):
+                return
+            raise first_step_error(
+                self.host.name, failure.kind, inside, fresh=index < len(fresh) and fresh[index],
+                changed="its parameters" if ledger.step_changed_parameters() else "",
+            ) from failure.exc
+        raise AutobatchError(
+            f"{self.host.name} ran out of memory ({failure.kind}) after optimizer.step() had updated "
+            "the parameters; retrying would apply the update twice, so it is not retried. "
+            "Restore from a checkpoint, and leave more memory free after the step, or move "
+            "that work out of the step"
+        ) from failure.exc
+
+    def check_final(self, failure: _attempt._Failure) -> None:
+        """Refuse after a failure that followed a write the ledger cannot undo."""
+        final = self.final
+        if not final:
+            return
+        write = final[0]
+        raise AutobatchError(
+            f"{self.host.name} ran out of memory ({failure.kind}) after it had written "
+            f"{write.kind.value} {write.name} ({write.op}, at {write.where}) outside the "
+            "optimizer step autobatch runs: running the batch again would write it twice, so "
+            "it is not retried. Move that write out of the decorated step (after it returns)"
+        ) from failure.exc
+
+    def first_attempt_written(self) -> list[tuple[Kind, torch.Tensor]]:
+        """What watched whole attempts wrote that the fast path should copy (then forget)."""
+        learned, self.learned = self.learned, []
+        return learned
+
+
+# Changes seen at the edges of an attempt -------------------------------------------------------
+
+
+def _gradient_assigned(
+    ledger: Ledger, params: list[torch.Tensor], unfolded: set[int]
+) -> None:
+    """After an early piece every gradient was folded into autobatch's sums: one in ``.grad``
+    now (other than one carried from before the batch, which no backward reached) was put
+    there by the step itself (``p.grad = ...`` after ``torch.autograd.grad``)."""
+    carried = {id(p): ref() for p, ref in ledger.carried if ref is not None}
+    for p in params:
+        grad = p.grad
+        if grad is not None and id(p) not in unfolded and grad is not carried.get(id(p)):
+            raise refusal(
+                ledger.host.name,
+                f"set the gradient of {ledger.name_of(p)} ({_describe(p)}) itself",
+                "the end of a micro-batch",
+                "autobatch weights and adds the gradients that backward() accumulates; a "
+                "gradient assigned to .grad (after torch.autograd.grad, or gradient surgery) "
+                "cannot be weighted per micro-batch, so only the last micro-batch's would count",
+                "compute gradients with loss.backward(), or use policy='shrink'",
+            )
+
+
+def _hyperparameters_changed(
+    ledger: Ledger, params: list[torch.Tensor], unfolded: set[int]
+) -> None:
+    """An optimizer hyperparameter that changed in an early piece (a scheduler not given)."""
+    for optimizer, groups in zip(ledger.host.optimizers, ledger.hyper, strict=False):
+        for index, (group, saved) in enumerate(zip(optimizer.param_groups, groups, strict=False)):
+            for key, value in saved.items():
+                now = group.get(key)
+                if now is value or _same(now, value):
+                    continue
+                raise refusal(
+                    ledger.host.name,
+                    f"changed {type(optimizer).__name__}.param_groups[{index}][{key!r}] "
+                    f"from {value!r} to {now!r}",
+                    "a micro-batch before the last",
+                    "an LR scheduler or a manual change would run once per micro-batch instead "
+                    "of once per batch",
+                    "pass the scheduler, retry_on_oom(optimizer=opt, scheduler=sched), so that "
+                    "it steps once per batch, or change hyperparameters outside the step",
+                )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # pragma: no cover - an exotic value
+        return False
+
+
+#: What :meth:`Ledger.check_piece` looks at after an early piece, in order.
+CHECKS: tuple[Callable[[Ledger, list[torch.Tensor], set[int]], None], ...] = (
+    _gradient_assigned,
+    _hyperparameters_changed,
+)
+
+

@@ -1,0 +1,416 @@
+"""The rules of the write ledger (:mod:`._ledger`): what a watched step may change, and how
+each change is judged; who is writing; and the retry rule for an OOM inside an optimizer's
+first step, which the fast path, the ledger and the ranks' agreement share.
+
+A write to a tensor that existed before an attempt is judged by the rule of its kind
+(:data:`RULES`):
+
+- allowed: the optimizer steps autobatch defers to the last micro-batch, a module's buffers
+  written in its forward (BatchNorm statistics: once per micro-batch, as in gradient
+  accumulation), autograd adding into a gradient, metric states and declared tensors;
+- backed up before the first write of each attempt, so that a failed attempt is put back bit
+  for bit (and, when the batch starts over, everything since the batch began);
+- final: it cannot be undone, so a failure after it is not retried (a parameter changed in the
+  last micro-batch before its optimizer step);
+- refused before it happens, with :class:`Refusal`, where it would run once per micro-batch
+  instead of once per batch (an early micro-batch writing a parameter, an EMA, a buffer
+  outside a forward, a gradient that is partial there, any other tensor).
+"""
+
+from __future__ import annotations
+
+import enum
+import linecache
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from autobatch._errors import AutobatchError
+
+# Who is writing ---------------------------------------------------------------------------------
+
+_busy = threading.local()  # autobatch's own work (folding gradients, the deferred step)
+
+
+@contextmanager
+def engine_work() -> Iterator[None]:
+    """Run autobatch's own operators unrecorded (on this thread)."""
+    depth = getattr(_busy, "depth", 0)
+    _busy.depth = depth + 1
+    try:
+        yield
+    finally:
+        _busy.depth = depth
+
+
+def _engine_busy() -> bool:
+    return getattr(_busy, "depth", 0) > 0
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed")
+_LIBRARY_DIRS = (_TORCH_DIR, _OWN_DIR, os.path.dirname(os.__file__))
+
+
+def user_frame() -> str:
+    """``file:line in function: code`` of the innermost frame outside torch, autobatch and the
+    standard library (where a write came from), or ``"(inside torch)"``."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_LIBRARY_DIRS) and not path.startswith("<"):
+            code = linecache.getline(path, frame.f_lineno).strip()
+            where = f"{os.path.relpath(path) if not path.startswith('..') else path}:{frame.f_lineno}"
+            return f"{where} in {frame.f_code.co_name}" + (f": {code}" if code else "")
+        frame = frame.f_back
+    return "(inside torch)"
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _forward_module() -> nn.Module | None:
+    """The innermost module whose ``__call__`` is on this thread's stack, if any (a write in
+    a forward, or in a forward hook, of that module)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module):
+                return module
+        frame = frame.f_back
+    return None
+
+
+def _from_distributed() -> bool:
+    """Whether the innermost Python frame below this one that is not autobatch's belongs to
+    torch.distributed (FSDP2 writing its all-gathered parameters, DDP its buckets)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_DISTRIBUTED_DIR):
+            return True
+        if not path.startswith(_OWN_DIR) and not path.startswith(_TORCH_DIR):
+            return False
+        frame = frame.f_back
+    return False
+
+
+# What was written -----------------------------------------------------------------------------
+
+
+class Kind(enum.Enum):
+    """What a tensor that existed before an attempt is to the step."""
+
+    PARAMETER = "parameter"
+    GRADIENT = "gradient"
+    BUFFER = "buffer"
+    OPTIMIZER = "optimizer state"
+    METRIC = "metric state"
+    ADDITIVE = "tensor declared additive"
+    BATCH = "batch"
+    FRAMEWORK = "torch.distributed's own tensor"
+    OTHER = "tensor"
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write an attempt made, as the rules see it."""
+
+    kind: Kind
+    name: str
+    op: str
+    where: str
+    early: bool  # in a micro-batch before the last
+    forward: bool  # inside a module's forward
+    backward: bool  # inside autograd's backward
+    stepped: bool  # after an optimizer of the step began its (real) step
+
+
+class Verdict(enum.Enum):
+    ALLOW = "allow"
+    BACKUP = "backup"  # copied first, put back after a failure
+    FINAL = "final"  # cannot be undone: a failure after it is not retried
+    REFUSE = "refuse"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How writes to one kind of tensor are judged; ``why`` and ``fix`` go into the refusal."""
+
+    kind: Kind
+    decide: Callable[[Write], Verdict]
+    why: str = ""
+    fix: str = ""
+
+
+def _outside_step(w: Write) -> Verdict:
+    """Parameters and optimizer state: only the optimizer step changes them exactly once."""
+    if w.early:
+        return Verdict.REFUSE
+    return Verdict.ALLOW if w.stepped else Verdict.FINAL
+
+
+def _gradient(w: Write) -> Verdict:
+    if w.backward:
+        return Verdict.BACKUP  # autograd adding into it
+    return Verdict.REFUSE if w.early else Verdict.ALLOW
+
+
+def _buffer(w: Write) -> Verdict:
+    if w.forward or w.backward:
+        return Verdict.BACKUP
+    if w.early:
+        return Verdict.REFUSE
+    return Verdict.ALLOW if w.stepped else Verdict.BACKUP
+
+
+def _other(w: Write) -> Verdict:
+    if w.early:
+        return Verdict.REFUSE
+    return Verdict.ALLOW if w.stepped else Verdict.BACKUP
+
+
+_ONCE = (
+    "it would change once per micro-batch instead of once per batch (an EMA update, a manual "
+    "edit, a second model's step)"
+)
+_MOVE = (
+    "move that update out of the decorated step (after it returns), pass the optimizer that "
+    "does it (optimizer=[...]), or use policy='shrink'"
+)
+
+#: One rule per kind of tensor (see the module documentation).
+RULES: dict[Kind, Rule] = {rule.kind: rule for rule in (
+    Rule(Kind.PARAMETER, _outside_step, _ONCE, _MOVE),
+    Rule(Kind.OPTIMIZER, _outside_step, _ONCE, _MOVE),
+    Rule(
+        Kind.GRADIENT, _gradient,
+        "in a micro-batch before the last, gradients are partial (autobatch shows code between "
+        "backward() and the optimizer step no gradient there, and the whole batch's in the last "
+        "micro-batch)",
+        "change gradients after backward() with torch.nn.utils.clip_grad_norm_/clip_grad_value_ "
+        "or between backward() and optimizer.step(), where they are complete",
+    ),
+    Rule(
+        Kind.BUFFER, _buffer,
+        "a buffer written outside its module's forward would change once per micro-batch",
+        "write it in the module's forward, or after the decorated step returns",
+    ),
+    Rule(Kind.METRIC, lambda w: Verdict.BACKUP),
+    Rule(Kind.ADDITIVE, lambda w: Verdict.BACKUP),
+    Rule(Kind.BATCH, lambda w: Verdict.BACKUP),
+    Rule(Kind.FRAMEWORK, lambda w: Verdict.ALLOW),
+    Rule(
+        Kind.OTHER, _other, _ONCE,
+        "move that update out of the decorated step (after it returns); for a running sum that "
+        "adds per row, declare it: retry_on_oom(additive=[tensor])",
+    ),
+)}
+
+
+class Refusal(AutobatchError):
+    """A split step did something that cannot be replayed exactly; nothing of the batch was
+    kept (the state is as it was before the call)."""
+
+
+def refusal(step: str, what: str, where: str, why: str, fix: str) -> Refusal:
+    """The one place refusals are worded: what happened, where, why, and the fix."""
+    return Refusal(
+        f"{step} {what}, at {where}, while its batch ran in micro-batches after an "
+        f"out-of-memory error: {why}. The batch was not split and nothing of it was kept. To "
+        f"fix: {fix}"
+    )
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}"
+
+
+# The index of what existed before ----------------------------------------------------------
+
+
+def _key(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage (views and ``.data`` share it)."""
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):  # sparse, nested: the tensor itself
+        return id(tensor)
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` itself is ``torch.compile``d (its forward runs compiled code)."""
+    return type(module).__name__ == "OptimizedModule" or (
+        getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """A torchmetrics ``Metric`` (recognised by type, without importing torchmetrics)."""
+    return any(
+        c.__name__ == "Metric" and c.__module__.startswith("torchmetrics")
+        for c in type(module).__mro__
+    )
+
+
+_METRIC_PRIVATE = ("_update_count", "_computed", "_forward_cache")
+
+
+def _metric_state(metric: nn.Module) -> tuple[nn.Module, dict[str, Any], tuple[Any, ...]]:
+    with engine_work(), torch.no_grad():
+        states = {}
+        for name in getattr(metric, "_defaults", {}):
+            value = getattr(metric, name)
+            states[name] = value.clone() if isinstance(value, torch.Tensor) else (
+                list(value) if isinstance(value, list) else value
+            )
+    return metric, states, tuple(getattr(metric, n, None) for n in _METRIC_PRIVATE)
+
+
+def _put_metric(saved: tuple[nn.Module, dict[str, Any], tuple[Any, ...]]) -> None:
+    metric, states, private = saved
+    with engine_work(), torch.no_grad():
+        for name, value in states.items():
+            current = getattr(metric, name)
+            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) and (
+                current.shape == value.shape
+            ):
+                current.copy_(value)
+            else:
+                setattr(metric, name, value.clone() if isinstance(value, torch.Tensor) else (
+                    list(value) if isinstance(value, list) else value))
+        for name, value in zip(_METRIC_PRIVATE, private, strict=True):
+            if value is not None or hasattr(metric, name):
+                setattr(metric, name, value)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _search(fn: Any, key: int, depth: int = 3) -> str | None:
+    """A name for the tensor with storage ``key`` among what ``fn`` refers to: its bound
+    ``self``, closure variables and globals, through attributes, dicts and lists."""
+    if fn is None:
+        return None
+    roots: list[tuple[str, Any]] = []
+    owner = getattr(fn, "__self__", None)
+    if owner is not None:
+        roots.append(("self", owner))
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None) or ()
+    if code is not None:
+        for name, cell in zip(code.co_freevars, closure, strict=False):
+            try:
+                roots.append((name, cell.cell_contents))
+            except ValueError:
+                continue
+        globals_ = getattr(fn, "__globals__", {})
+        roots += [(n, globals_[n]) for n in code.co_names if n in globals_]
+    seen: set[int] = set()
+    stack = [(name, value, depth) for name, value in roots]
+    while stack:
+        name, value, left = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if _key(value) == key:
+                return name
+            continue
+        if left <= 0 or isinstance(value, (str, bytes, int, float, type)) or (callable(value) and not isinstance(value, nn.Module)):
+            continue
+        if isinstance(value, nn.Module):
+            for sub, t in (*value.named_parameters(), *value.named_buffers()):
+                if t is not None and _key(t) == key:
+                    return f"{name}.{sub}"
+        items: Iterable[tuple[str, Any]]
+        if isinstance(value, dict):
+            items = ((f"{name}[{k!r}]", v) for k, v in list(value.items())[:256])
+        elif isinstance(value, (list, tuple)):
+            items = ((f"{name}[{i}]", v) for i, v in enumerate(value[:256]))
+        else:
+            attributes = getattr(value, "__dict__", None)
+            if not isinstance(attributes, dict):
+                continue
+            items = ((f"{name}.{k}", v) for k, v in list(attributes.items())[:256])
+        stack.extend((n, v, left - 1) for n, v in items)
+    return None
+
+
+# The retry rule for an OOM inside a first step ------------------------------------------------
+
+
+def first_step_retryable(
+    optimizer: torch.optim.Optimizer, *, fresh: bool, params_changed: bool
+) -> bool:
+    """Whether an OOM inside ``optimizer.step()`` may be retried: only in its first step
+    (``fresh``: it had no state), while it created its state, before any parameter changed.
+    A fused optimizer with several groups may have updated an earlier one without a trace in
+    the version counters, so it is not. The half-made state is dropped here when it may."""
+    fused = any(g.get("fused") for g in optimizer.param_groups)
+    unknown = fused and len(optimizer.param_groups) > 1
+    if fresh and not params_changed and not unknown:
+        optimizer.state.clear()  # every entry was made by the failed first step
+        return True
+    return False
+
+
+def first_step_error(
+    name: str, kind: str, optimizer: torch.optim.Optimizer, *, fresh: bool, changed: str
+) -> AutobatchError:
+    """Why an OOM inside ``optimizer.step()`` was not retried."""
+    label = type(optimizer).__name__
+    hint = "; foreach=False needs fewer temporaries" if _uses_foreach(optimizer) else ""
+    if fresh:
+        what = (
+            f"which had already changed {changed} in place (weight decay is applied before "
+            "the moments, say)" if changed else "whose fused kernels may already have updated "
+            "an earlier parameter group (fused kernels leave no trace in the version counters)"
+        )
+        return AutobatchError(
+            f"{name} ran out of memory ({kind}) inside the first step of {label} (while it "
+            f"created its state), {what}: the update is partly applied and cannot be undone, "
+            "so it is not retried. Restore from a checkpoint. To avoid it, leave memory for the "
+            "optimizer's state, which its first step creates: a smaller first batch, or "
+            "autobatch.find_max_batch with this optimizer, which counts that state" + hint
+        )
+    return AutobatchError(
+        f"{name} ran out of memory ({kind}) inside {label}.step(), which updates its state "
+        "and the parameters in place: the update may be partly applied, so it is not retried "
+        "(autobatch retries an OOM inside a step only on the first step, while the state is "
+        "being created and before any parameter changed). Restore from a checkpoint, and leave "
+        "more memory free for the optimizer's step" + hint
+    )
+
+
+def _uses_foreach(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer runs its multi-tensor (foreach) kernels, which need temporaries."""
+    for group in optimizer.param_groups:
+        foreach = group.get("foreach")
+        if foreach or (foreach is None and not group.get("fused") and any(
+            cast(torch.Tensor, p).device.type != "cpu" for p in group["params"]
+        )):
+            return True
+    return False
+
+
+def gradient_hooks(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters that carry a gradient hook of the user's (``register_hook``)."""
+    return [p for p in params if getattr(p, "_backward_hooks", None)]
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory made outside every dispatch mode."""
+    with _disable_current_modes():
+        return tensor.detach().to("cpu", copy=True)
