@@ -266,13 +266,15 @@ class OpFacts:
     :data:`HIDDEN_WRITES`: ``writes``, the positions and names of the arguments it writes;
     ``when``, the position of the flag a hidden write needs (``None``: unconditional);
     ``fresh``, its results are new storages (no return may alias an argument);
-    ``collective``, it communicates with other ranks."""
+    ``collective``, it communicates with other ranks; ``foreach_write``, a ``_foreach_``
+    operator that writes (see :func:`call_keeping_versions`)."""
 
     name: str
     writes: tuple[tuple[int, str], ...]
     when: int | None
     fresh: bool
     collective: bool
+    foreach_write: bool = False
 
 
 @functools.cache
@@ -299,6 +301,7 @@ def op_facts(func: Any) -> OpFacts:
         when=when,
         fresh=not any(r.alias_info is not None for r in schema.returns),
         collective=getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES,
+        foreach_write=_is_foreach_write(func),
     )
 
 

@@ -26,7 +26,8 @@ from autobatch._errors import AutobatchError
 
 
 def active() -> bool:
-    """Whether a process group of more than one rank is initialised."""
+    """Whether a process group of more than one rank is initialised (cheap when none is: the
+    recovery engine asks on every step)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 

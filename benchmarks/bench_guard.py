@@ -16,6 +16,8 @@
      function with half the batch size, from the first batch.
 4. The smallest simulated GPU on which one guarded step trains the batch in micro-batches, next
    to the model state and one gradient it cannot do without.
+5. What the write ledger costs a split step: the same step, split into the same micro-batches,
+   with the ledger watching (as always) and with it switched off (for this measurement only).
 """
 
 from __future__ import annotations
@@ -469,6 +471,85 @@ def bench_smallest(workloads: list[tuple[str, int]]) -> None:
             )
 
 
+# --------------------------------------------------------------------------------------------
+# 5. The ledger's cost on a split step
+
+
+class _Unwatched:
+    """Stands in for the ledger's dispatch mode: the same pieces, nothing watched."""
+
+    def __init__(self, ledger: Any) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _split_step_times(name: str, size: int, pieces: int, rounds: int, steps: int) -> tuple[float, float]:
+    """Thread CPU time per call of a guarded step that runs in ``pieces`` micro-batches, with
+    the ledger and without it (median of interleaved rounds)."""
+    from autobatch._recovery import _ledger
+
+    work = WORKLOADS[name]
+    torch.manual_seed(0)
+    model = work.model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [work.sample(size) for _ in range(4)]
+
+    limit = [size // pieces]
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: Batch) -> torch.Tensor:
+        if len(batch[0]) > limit[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    step(batches[0])  # the sizes are learned: every later call runs in pieces
+    limit[0] = size
+    assert step.stats.micro_batch_size == size // pieces
+
+    def run() -> None:
+        for i in range(steps):
+            step(batches[i % len(batches)])
+
+    real = _ledger._Mode
+    watched, unwatched = [], []
+    for _ in range(rounds):
+        watched.append(_per_step(run, steps))
+        _ledger._Mode = _Unwatched  # type: ignore[misc, assignment]
+        try:
+            unwatched.append(_per_step(run, steps))
+        finally:
+            _ledger._Mode = real  # type: ignore[misc]
+    return statistics.median(watched), statistics.median(unwatched)
+
+
+def bench_ledger(rounds: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    print("\n## 5. The write ledger's cost on a split step (CPU, AdamW, clipping)")
+    print(
+        "The same guarded step, split into the same micro-batches after one OOM; thread CPU "
+        f"time per call, median of {rounds} interleaved rounds of {steps} calls, with the "
+        "ledger watching every micro-batch (as always) and with its dispatch mode switched off "
+        "(for this measurement only)\n"
+    )
+    print("| workload | batch | micro-batches | with the ledger (ms) | without (ms) | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, size, pieces in (("mlp", 256, 2), ("mlp", 256, 4), ("conv", 64, 2),
+                               ("transformer", 64, 2)):
+        watched, unwatched = _split_step_times(name, size, pieces, rounds, steps)
+        print(f"| {name} | {size} | {pieces} | {watched * 1e3:.2f} | {unwatched * 1e3:.2f} | "
+              f"{watched / unwatched:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and capacities")
@@ -480,6 +561,7 @@ def main() -> None:
     bench_retries([("mlp", 1024), ("transformer", 128)], capacities=capacities, batches=3)
     bench_peers("mlp", batches=10, size=1024)
     bench_smallest([("mlp", 1024), ("transformer", 128), ("deep mlp", 2048)])
+    bench_ledger(rounds=5 if args.quick else 15, steps=5 if args.quick else 10)
 
 
 if __name__ == "__main__":

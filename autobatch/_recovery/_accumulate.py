@@ -44,7 +44,7 @@ from autobatch._recovery import _ledger, _rules
 class _Patch:
     """Replace an attribute of an object for a while (restored exactly)."""
 
-    def __init__(self, obj: object, name: str, replacement: Callable[..., Any]) -> None:
+    def __init__(self, obj: object, name: str, replacement: Any) -> None:
         self.obj, self.name = obj, name
         self.had = name in vars(obj)
         self.previous = vars(obj).get(name)
@@ -130,6 +130,7 @@ class _Standins:
         grouping = getattr(_clip_grad, "_group_tensors_by_device_and_dtype")  # noqa: B009
         patches.append(_Patch(_clip_grad, "_group_tensors_by_device_and_dtype",
                               functools.partial(_group_gradients, grouping)))
+        patches.append(_Patch(torch.Tensor, "grad", _GRAD))
         self.patches = patches
 
     def remove(self) -> None:
@@ -180,6 +181,28 @@ def _scheduler_step(real: Callable[..., Any]) -> Callable[..., Any]:
         return session.scheduler_call(real, scheduler, args, kwargs)
 
     return step
+
+
+_TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]
+
+
+def _get_grad(tensor: torch.Tensor) -> torch.Tensor | None:
+    return _TENSOR_GRAD.__get__(tensor)  # type: ignore[no-any-return]
+
+
+def _set_grad(tensor: torch.Tensor, value: torch.Tensor | None) -> None:
+    session = _session()
+    if session is not None and value is not None:
+        session.grad_assigned(tensor)
+    _TENSOR_GRAD.__set__(tensor, value)
+
+
+def _del_grad(tensor: torch.Tensor) -> None:
+    _TENSOR_GRAD.__delete__(tensor)
+
+
+#: ``Tensor.grad`` while a split batch runs: an assignment by the step is seen before it happens.
+_GRAD = property(_get_grad, _set_grad, _del_grad, _TENSOR_GRAD.__doc__)
 
 
 def _group_gradients(real: Callable[..., Any], tensorlistlist: Any, *args: Any, **kwargs: Any) -> Any:
@@ -327,6 +350,25 @@ class _Accumulation:
         self._backward_done()
         return result
 
+    def grad_assigned(self, p: torch.Tensor) -> None:
+        """The step is about to assign ``p.grad`` (not to ``None``): refused in an early piece,
+        where autobatch holds the gradients itself (the assignment would bypass their weighting
+        and their sum), before it happens."""
+        if self.last or id(p) not in self.ids or _rules._engine_busy():
+            return
+        if _rules._from_distributed():  # (FSDP2 setting its sharded gradients)
+            return
+        ledger = _ledger.watching()
+        name = ledger.name_of(p) if ledger is not None else "a parameter"
+        raise _rules.refusal(
+            self.name, f"set the gradient of {name} ({tuple(p.shape)}) itself",
+            _rules.user_frame(),
+            "autobatch weights and adds the gradients that backward() accumulates; a gradient "
+            "assigned to .grad (after torch.autograd.grad, or gradient surgery) cannot be "
+            "weighted per micro-batch, so only the last micro-batch's would count",
+            "compute gradients with loss.backward(), or use policy='shrink'",
+        )
+
     def _accumulated(self, p: torch.Tensor) -> None:
         """After a gradient reached ``p.grad``: fold it into the sum right away, parameter by
         parameter, so that a split step holds one gradient's worth beside the step's own, not
@@ -408,6 +450,7 @@ class _Accumulation:
     def _deferred_step(
         self, optimizer: torch.optim.Optimizer, real: Callable[..., Any]
     ) -> Callable[..., Any]:
+        @functools.wraps(real)  # (an LR scheduler's mark on the step it wraps is kept)
         def only_in_last_piece(*args: Any, **kwargs: Any) -> Any:
             if args or kwargs.get("closure") is not None:
                 raise AutobatchError(

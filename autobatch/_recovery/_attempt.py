@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch._errors import AutobatchError
 from autobatch._oom import MAX_CHAIN_DEPTH
@@ -106,6 +107,7 @@ class _Known:
         self.shadows: list[torch.Tensor] = []
         self.metrics: list[nn.Module] = []
         self.writes_batch = False  # the step writes its batch in place
+        self.writes_params = False  # it changes parameters outside its optimizer step
         self.carries = False  # gradients are left for the next call to add to
         self.compiled = False
         for optimizer in optimizers:
@@ -136,6 +138,9 @@ class _Known:
             if kind is Kind.BATCH:
                 self.writes_batch = True
                 continue
+            if kind in (Kind.PARAMETER, Kind.OPTIMIZER):
+                self.writes_params = True
+                continue
             if kind is Kind.METRIC:
                 continue  # (metric states are saved whole)
             key = _rules._key(tensor)
@@ -153,7 +158,7 @@ class _Known:
         if not self.changing and not self.metrics:
             return None
         if self.changing:
-            with torch.no_grad():
+            with torch.no_grad(), _disable_current_modes():  # (allocates nothing)
                 torch._foreach_copy_(self.shadows, self.changing)
         metrics = [_rules._metric_state(m) for m in self.metrics]
         return self.changing, self.shadows, metrics
@@ -164,7 +169,7 @@ class _Known:
             return
         changing, shadows, metrics = saved
         if changing:
-            with torch.no_grad():
+            with torch.no_grad(), _disable_current_modes():
                 torch._foreach_copy_(changing, shadows)
         for metric in metrics:
             _rules._put_metric(metric)
@@ -219,7 +224,7 @@ class _Attempt:
     its backward (:func:`_carrying_backward`)."""
 
     __slots__ = (
-        "batch_versions", "carried", "engine", "fresh", "grads", "ours_stepped", "params",
+        "batch_versions", "carried", "engine", "firsts", "grads", "ours_stepped", "params",
         "patch", "shadows", "stepped", "token", "versions",
     )
 
@@ -229,8 +234,10 @@ class _Attempt:
         self.stepped: list[torch.optim.Optimizer] = []
         self.ours_stepped = False
         self.params = known.params
-        self.versions = list(map(_VERSION, known.params))
-        self.fresh = [not o.state for o in engine.optimizers]
+        # the parameters' versions, where the step is known to change them outside its
+        # optimizer step (an EMA before it); each first step records its own (optimizer_stepping)
+        self.versions = list(map(_VERSION, known.params)) if known.writes_params else None
+        self.firsts: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.shadows = known.save()
         self.batch_versions = (
             [(t, t._version) for t in batch] if batch is not None and known.writes_batch else None
@@ -266,13 +273,20 @@ class _Attempt:
     def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
         self.stepped.append(optimizer)
         self.ours_stepped = self.ours_stepped or any(optimizer is o for o in self.engine.optimizers)
+        if not optimizer.state and id(optimizer) not in self.firsts:  # its first step
+            self.firsts[id(optimizer)] = [
+                (p, p._version) for g in optimizer.param_groups for p in g["params"]
+            ]
 
     def changed(self) -> list[torch.Tensor]:
-        """The parameters changed in place since the attempt began."""
-        return [
-            p for p, version in zip(self.params, self.versions, strict=True)
-            if p._version != version
-        ]
+        """The parameters changed in place since the attempt began (known where the step is
+        known to change them outside its optimizer step, else those of first steps)."""
+        if self.versions is not None:
+            return [
+                p for p, version in zip(self.params, self.versions, strict=True)
+                if p._version != version
+            ]
+        return [p for first in self.firsts.values() for p, v in first if p._version != v]
 
     def rollback(self) -> None:
         """Put the known-changing state back as it was when the attempt began, and the
@@ -350,8 +364,7 @@ class _Attempt:
                     "after the step, or move that work out of the step"
                 ) from failure.exc
             return
-        index = next(i for i, o in enumerate(ours) if o is inside)
-        fresh = self.fresh[index]
+        fresh = id(inside) in self.firsts
         if first_step_retryable(inside, fresh=fresh, params_changed=bool(changed)):
             return
         raise first_step_error(

@@ -148,6 +148,7 @@ def check_split(
     model: nn.Module | None = None,
     scheduler: Any = None,
     objects: tuple[Any, ...] | list[Any] = (),
+    before: tuple[Batch, ...] | list[Batch] = (),
     dtype: torch.dtype | None = torch.float64,
     schedules: tuple[str, ...] | list[str] | None = None,
     rtol: float = 1e-9,
@@ -167,6 +168,8 @@ def check_split(
         scheduler: the LR scheduler(s) the step steps.
         objects: anything else whose state the step changes and that should be compared: an
             EMA model, a dict of tensors, a metric, an object with tensors or counters.
+        before: batches the step runs (whole) before the checked call in every run, to reach
+            the state to check from: the earlier calls of an accumulation window, say.
         dtype: the floating dtype the check runs in (``None``: as they are).
         schedules: which of :data:`SCHEDULES` to run (default: all).
         rtol: the relative tolerance of a match (the absolute one is ``rtol`` times the
@@ -191,6 +194,7 @@ def check_split(
     results: list[ScheduleResult] = []
     with world.converted(dtype), _no_dropout(notes):
         data = _cast(batch, dtype)
+        earlier = [_cast(b, dtype) for b in before]
         start = world.save()
         stateful = any(o.state for o in given.optimizers)
         for name in chosen:
@@ -198,7 +202,9 @@ def check_split(
                 notes.append("optimizer: skipped, the optimizer has state already (an OOM "
                              "inside a later step is refused by design)")
                 continue
-            results.append(_run_schedule(name, step, data, total, world, start, decorate, rtol))
+            results.append(_run_schedule(
+                name, step, data, earlier, total, world, start, decorate, rtol
+            ))
         world.load(start)
     if world.norms:
         notes.append(f"{len(world.norms)} BatchNorm layer(s) in training mode: compared with "
@@ -207,7 +213,8 @@ def check_split(
 
 
 def _run_schedule(
-    name: str, step: Callable[..., Any], batch: Batch, total: int, world: _World,
+    name: str, step: Callable[..., Any], batch: Batch, earlier: list[Batch], total: int,
+    world: _World,
     start: dict[str, Any], decorate: Callable[..., Any], rtol: float,
 ) -> ScheduleResult:
     fast = name.startswith("fast_")
@@ -228,11 +235,11 @@ def _run_schedule(
     functools.update_wrapper(recorded, step)
     decorated = decorate(recorded)
     refusal: str | None = None
-    fault = _Faults(name, total, world.params())
+    fault = _Faults(name, total, world.params(), world.buffers())
     result: Any = None
-    if fast:
-        decorated(batch)  # a clean first call: the OOM comes on the fast path
-        pieces.clear()
+    for done in earlier or ([batch] if fast else []):
+        decorated(done)  # clean calls first (one, at least, for the OOM on the fast path)
+    pieces.clear()
     before = world.capture(None)
     try:
         with fault:
@@ -249,8 +256,8 @@ def _run_schedule(
         return ScheduleResult(name, True, refusal, tuple(_compare(before, after, 0.0)))
     # The truth: the unsplit step (each BatchNorm layer on the same pieces, in order).
     world.load(start)
-    if fast:
-        step(batch)
+    for done in earlier or ([batch] if fast else []):
+        step(done)
     with world.ghost_batchnorm(_final_pieces(pieces, total)):
         truth_result = step(batch)
     truth = world.capture(truth_result)
@@ -273,12 +280,15 @@ def _final_pieces(pieces: list[tuple[int, bool]], total: int) -> list[int]:
 class _Faults(DispatchMode):
     """Raises CUDA's out-of-memory error where an OOM schedule says (see :data:`SCHEDULES`)."""
 
-    def __init__(self, schedule: str, total: int, params: list[torch.Tensor]) -> None:
+    def __init__(
+        self, schedule: str, total: int, params: list[torch.Tensor], buffers: list[torch.Tensor]
+    ) -> None:
         super().__init__()
         self.schedule = schedule
         self.total = total
         self.params = params
         self.fired = 0
+        self.state = {_storage(t) for t in (*params, *buffers)}  # (never the batch's)
         self.whole_done = False  # the whole batch failed (or, fast, ran): now in pieces
         self.armed = False
         self.handles: list[Any] = []
@@ -320,13 +330,20 @@ class _Faults(DispatchMode):
         if self.armed:
             self._raise()
         if not self.whole_done and torch._C._current_autograd_node() is None and any(
-            t.dim() > 0 and t.shape[0] == self.total
+            t.dim() > 0 and t.shape[0] == self.total and _storage(t) not in self.state
             for t in tensors((args, kwargs)) if isinstance(t, torch.Tensor)
-        ) and not any(t is p for t in args for p in self.params):
+        ):
             self.whole_done = True
             if self.schedule != "fast_backward":
                 self._raise()
         return call_keeping_versions(func, args, kwargs)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return id(tensor)
 
 
 # The state compared --------------------------------------------------------------------------
@@ -376,6 +393,9 @@ class _World:
             found.update((id(p), p) for g in optimizer.param_groups for p in g["params"])
         return list(found.values())
 
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for _, module in self.modules for b in module.buffers()]
+
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor, str]]:
         """(name, tensor, kind) of every parameter and buffer (kind "parameter"/"buffer")."""
         for prefix, module in self.modules:
@@ -392,6 +412,7 @@ class _World:
         schedulers = [copy.deepcopy(s.state_dict()) for s in self.schedulers]
         objects = [_save_object(o, self.shared) for o in self.objects]
         rng = save_rng_states()
+        swapped: list[Callable[[], None]] = []  # tensors the objects hold, put back at the end
         try:
             if dtype is not None:
                 with torch.no_grad():
@@ -402,8 +423,12 @@ class _World:
                                 t.grad = grad.to(dtype)
                 for optimizer, state in zip(self.optimizers, states, strict=True):
                     optimizer.load_state_dict(state)  # (state cast to the parameters' dtype)
+                for obj in self.objects:
+                    _cast_held(obj, dtype, self.shared, swapped)
             yield dtype
         finally:
+            for undo in reversed(swapped):
+                undo()
             with torch.no_grad():
                 for t, data, grad in originals:
                     t.data = data
@@ -576,6 +601,37 @@ def _refilled(current: Any, saved: Any, shared: dict[int, Any]) -> Any:
         current[:] = [_refilled(c, v, shared) for c, v in zip(current, saved, strict=True)]
         return current
     return copy.deepcopy(saved, dict(shared))
+
+
+def _cast_held(
+    obj: Any, dtype: torch.dtype, shared: dict[int, Any], swapped: list[Callable[[], None]],
+    depth: int = 3,
+) -> None:
+    """The floating tensors an object holds (in dicts, lists and attributes; not those of the
+    modules, which are converted with them) replaced by copies in ``dtype``; ``swapped`` gets
+    what puts the originals back."""
+    if depth <= 0 or id(obj) in shared or isinstance(obj, (nn.Module, torch.Tensor)):
+        return
+    if hasattr(obj, "state_dict") and not isinstance(obj, (dict, list)):
+        return  # (a scaler, a scheduler: their own state, in their own dtype)
+    entries: Any
+    if isinstance(obj, dict):
+        entries = obj
+    elif isinstance(obj, list):
+        entries = dict(enumerate(obj))
+    elif hasattr(obj, "__dict__"):
+        entries = vars(obj)
+    else:
+        return
+    for key, value in list(entries.items()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and (
+            id(value) not in shared and value.dtype != dtype
+        ):
+            holder = obj if isinstance(obj, (dict, list)) else vars(obj)
+            holder[key] = value.detach().to(dtype)
+            swapped.append(functools.partial(holder.__setitem__, key, value))
+        else:
+            _cast_held(value, dtype, shared, swapped, depth - 1)
 
 
 def _cast(batch: Batch, dtype: torch.dtype | None) -> Batch:

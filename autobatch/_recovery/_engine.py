@@ -242,11 +242,17 @@ class _Engine:
         if failure is None:
             self.calls += 1
             if not attempt.ours_stepped and (self.optimizers or self.keeps_gradients):
-                self.known.carries = True  # gradients stay for the next call to add to
+                self._note_carried()
             if self.watch.step_done(self._watched()):
                 self._thrashing(self._locate(args, kwargs))
             return result
         return self.call(args, kwargs, failure, attempt)
+
+    def _note_carried(self) -> None:
+        """A call ended without an optimizer step of the step's own: if it left gradients, the
+        next call may add to them (accumulation across calls)."""
+        if not self.known.carries and any(p.grad is not None for p in self.known.params):
+            self.known.carries = True
 
     def _batch_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
         """The batch's tensors, where the step is known to write its batch in place."""
@@ -360,16 +366,20 @@ class _Engine:
     @contextlib.contextmanager
     def _watching(
         self, *, early: bool, records: bool, coord: _Coordination | None, last: bool,
-        session: _Accumulation | None,
+        session: _Accumulation | None, piece: Batch,
     ) -> Iterator[None]:
         """One watched attempt: the ledger's, kept in step with the other ranks by ``coord``."""
         split = session is not None
+        shadow = [] if records else [
+            *self.known.changing, *(tensors(piece) if self.known.writes_batch else ())
+        ]
         if coord is None:
-            with self.ledger.attempt(early=early, split=split, records=records):
+            with self.ledger.attempt(early=early, split=split, records=records, shadow=shadow):
                 yield
             return
         with coord.attempt(last=last, session=session), self.ledger.attempt(
-            early=early, split=split, records=records, gate=coord.gate, on_forward=coord.forward
+            early=early, split=split, records=records, gate=coord.gate, on_forward=coord.forward,
+            shadow=shadow,
         ):
             yield
 
@@ -436,7 +446,6 @@ class _Engine:
                 if session is not None:
                     session.begin_piece(weight, last)
                 piece_args, piece_kwargs = self._with_batch(args, kwargs, piece)
-                del piece
                 whole = None if splits else _Attempt(self)  # (a shrink piece is a whole call)
                 early = session is not None and not last
                 fresh = [not o.state for o in self.optimizers]
@@ -449,8 +458,9 @@ class _Engine:
                 try:
                     with phases, whole if whole is not None else contextlib.nullcontext(), (
                         self._watching(
-                            early=early, records=splits or learning, coord=coord,
-                            last=last or self.policy == "shrink", session=session,
+                            # (a split batch's last piece writes once per batch: unwatched)
+                            early=early, records=early or learning, coord=coord,
+                            last=last or self.policy == "shrink", session=session, piece=piece,
                         ) if watched else contextlib.nullcontext()
                     ):
                         result = self.fn(*piece_args, **piece_kwargs)
@@ -463,7 +473,7 @@ class _Engine:
                 finally:
                     if session is not None:
                         session.end_piece()
-                del piece_args, piece_kwargs
+                del piece_args, piece_kwargs, piece
                 if n < total:
                     warn_batchnorm(self.name, [*self.known.modules, *self.ledger.batchnorms], self.warned)
                 if coord is not None:
@@ -478,7 +488,7 @@ class _Engine:
                     if early:
                         assert session is not None
                         ledger.check_piece(session.params, session.unfolded)
-                    if learning:
+                    if watched:
                         self.known.learn(ledger.first_attempt_written())
                     if statistics:  # the step's own memory does not grow with the piece
                         self.sizes.record(key, eps, n, phases.outside - baseline)
@@ -518,7 +528,7 @@ class _Engine:
             memory.restore_peak()
         self.sizes.finish(key, clean)
         if not stepped and (self.optimizers or self.keeps_gradients):
-            self.known.carries = True  # gradients stay for the next call to add to
+            self._note_carried()
         self._finished(total)
         self.tally.micro_batch_size = max(n for n, _, _ in pieces) if len(pieces) > 1 else None
         if self.watch.step_done(self._watched()):

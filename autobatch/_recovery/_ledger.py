@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from autobatch._accounting import (
     DispatchMode,
+    OpFacts,
     _tensors,
     call_keeping_versions,
     op_facts,
@@ -48,13 +49,13 @@ from autobatch._backends import restore_rng_states, save_rng_states
 from autobatch._errors import AutobatchError
 from autobatch._recovery import _attempt
 from autobatch._recovery._rules import (
+    _BUSY,
     RULES,
     Kind,
     Verdict,
     Write,
     _compiled,
     _describe,
-    _engine_busy,
     _forward_module,
     _from_distributed,
     _hyperparameters,
@@ -187,11 +188,17 @@ class _Mode(DispatchMode):
         super().__init__()
         self.ledger = ledger
 
-    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _engine_busy():
-            return call_keeping_versions(func, args, kwargs)
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        # (every operator of a watched attempt comes here: kept short, one dict lookup)
+        kwargs = kwargs or {}
+        facts = _FACTS.get(func)
+        if facts is None:
+            facts = _FACTS[func] = op_facts(func)
+        if _BUSY.depth:
+            return _call(facts, func, args, kwargs)
         ledger = self.ledger
-        facts = op_facts(func)
         if ledger.gate is not None:
             if facts.collective or ledger.distributes(args):
                 ledger.gate(func, ledger.allocated)
@@ -199,19 +206,29 @@ class _Mode(DispatchMode):
             elif facts.fresh:
                 ledger.allocated = True
         if not ledger.records:
-            return call_keeping_versions(func, args, kwargs)
+            return _call(facts, func, args, kwargs)
         if facts.writes:
             for tensor in written_tensors(facts, args, kwargs):
                 ledger.writing(tensor, facts.name)
-        out = call_keeping_versions(func, args, kwargs)
+        out = _call(facts, func, args, kwargs)
         if facts.fresh:
-            fresh = ledger.fresh
             if type(out) is torch.Tensor:
-                fresh.add(_key(out))
+                ledger.fresh.add(out.untyped_storage()._cdata)
             else:
                 for tensor in _tensors((out,)):
-                    fresh.add(_key(tensor))
+                    ledger.fresh.add(_key(tensor))
         return out
+
+
+_FACTS: dict[Any, OpFacts] = {}
+
+
+def _call(facts: OpFacts, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run an operator; a ``_foreach_`` one that writes has its version counters kept as
+    outside a mode (:func:`autobatch._accounting.call_keeping_versions`)."""
+    if facts.foreach_write:
+        return call_keeping_versions(func, args, kwargs)
+    return func(*args, **kwargs)
 
 
 # The ledger -----------------------------------------------------------------------------------
@@ -354,10 +371,16 @@ class Ledger:
         records: bool = True,
         gate: Callable[[Any, bool], None] | None = None,
         on_forward: Callable[[nn.Module, bool], None] | None = None,
+        shadow: Iterable[torch.Tensor] = (),
     ) -> Iterator[None]:
         """Watch one attempt: ``early``, a micro-batch before the last; ``records``, judge its
         writes (else only ``gate`` collectives); ``on_forward(module, entering)`` hears of
-        every module's forward."""
+        every module's forward.
+
+        Without ``records`` or a gate no mode is installed (the last micro-batch of a split
+        batch, whose writes happen once per batch): what this batch's earlier micro-batches
+        wrote, and the tensors in ``shadow``, are copied first instead, so that a failure is
+        undone all the same."""
         self.early = early
         self.split = split
         self.records = records
@@ -373,6 +396,11 @@ class Ledger:
             self.rng_piece = save_rng_states()
             for buffer in self.opaque:  # written by compiled code, where the mode cannot see
                 self.writing(buffer, "a compiled module's forward", force=Kind.BUFFER)
+        if not records and self._is_open:
+            self.metric_piece = [_metric_state(m) for m in self.metrics]
+            self.rng_piece = save_rng_states()
+            for tensor in [*(t for t, _ in self.batch.entries.values()), *shadow, *self.opaque]:
+                self._back_up(tensor)
 
         hooks = [] if on_forward is None else [  # (for the ranks' agreement only)
             register_module_forward_pre_hook(lambda module, args: on_forward(module, True)),
@@ -382,7 +410,7 @@ class Ledger:
         ]
         _WATCHING.append(self)
         try:
-            with _Mode(self):
+            with _Mode(self) if records or gate is not None else nullcontext():
                 yield
         finally:
             _WATCHING.remove(self)
@@ -471,16 +499,13 @@ class Ledger:
         if verdict is Verdict.ALLOW:
             return
         if verdict is Verdict.BACKUP:
-            if self._is_open:
-                copy = self.batch.take(tensor) if tensor not in self.batch else None
-                self.piece.take(tensor, copy)
-            else:  # a whole attempt (no batch opened): one set of copies
-                self.piece.take(tensor)
+            self._back_up(tensor)
             if kind in (Kind.OTHER, Kind.BUFFER, Kind.METRIC, Kind.ADDITIVE):
                 self.learned.append((kind, tensor))
             return
         where = user_frame()
         if verdict is Verdict.FINAL:
+            self.learned.append((kind, tensor))
             self.final.append(Write(
                 kind, name, op, where, write.early, write.forward, write.backward, write.stepped
             ))
@@ -491,6 +516,14 @@ class Ledger:
             f"changed {kind.value} {shown} ({_describe(tensor)}) in place ({op})",
             where, rule.why, rule.fix,
         )
+
+    def _back_up(self, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` before its first write in this attempt (and in this batch)."""
+        if self._is_open:
+            copy = self.batch.take(tensor) if tensor not in self.batch else None
+            self.piece.take(tensor, copy)
+        else:  # a whole attempt (no batch opened): one set of copies
+            self.piece.take(tensor)
 
     def _classify(self, tensor: torch.Tensor, key: int) -> tuple[Kind, str]:
         """A tensor not in the index: a buffer of a module whose forward runs, torch.distributed's
@@ -517,7 +550,7 @@ class Ledger:
                 if t is not None and _key(t) == key:
                     return f"{prefix}.{name}"
         found = _search(getattr(self.host, "fn", None), key)
-        return found or "(a tensor the step holds)"
+        return found or "(one the step holds)"
 
     # After an attempt -------------------------------------------------------------------------
 

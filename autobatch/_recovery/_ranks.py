@@ -192,7 +192,9 @@ class _Coordination:
         The engine's ledger watches it, and calls :meth:`gate` before every collective and
         :meth:`forward` at every module's forward."""
         patches = [  # (undone after the attempt, before the session's own)
-            _Patch(o, "step", functools.partial(self._step, o, o.step))
+            _Patch(o, "step", functools.update_wrapper(
+                functools.partial(self._step, o, o.step), o.step
+            ))
             for o in self.engine.optimizers
         ]
         self.settled = None

@@ -20,6 +20,7 @@ A write to a tensor that existed before an attempt is judged by the rule of its 
 from __future__ import annotations
 
 import enum
+import inspect
 import linecache
 import os
 import sys
@@ -38,22 +39,28 @@ from autobatch._errors import AutobatchError
 
 # Who is writing ---------------------------------------------------------------------------------
 
-_busy = threading.local()  # autobatch's own work (folding gradients, the deferred step)
+class _Busy(threading.local):
+    """How deep this thread is in autobatch's own work (folding gradients, the deferred
+    step): its operators are not the step's (a class default, so a new thread reads 0)."""
+
+    depth = 0
+
+
+_BUSY = _Busy()
 
 
 @contextmanager
 def engine_work() -> Iterator[None]:
     """Run autobatch's own operators unrecorded (on this thread)."""
-    depth = getattr(_busy, "depth", 0)
-    _busy.depth = depth + 1
+    _BUSY.depth += 1
     try:
         yield
     finally:
-        _busy.depth = depth
+        _BUSY.depth -= 1
 
 
 def _engine_busy() -> bool:
-    return getattr(_busy, "depth", 0) > 0
+    return _BUSY.depth > 0
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -68,7 +75,7 @@ def user_frame() -> str:
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(_LIBRARY_DIRS) and not path.startswith("<"):
+        if not path.startswith(_LIBRARY_DIRS) and not path.startswith("<frozen"):
             code = linecache.getline(path, frame.f_lineno).strip()
             where = f"{os.path.relpath(path) if not path.startswith('..') else path}:{frame.f_lineno}"
             return f"{where} in {frame.f_code.co_name}" + (f": {code}" if code else "")
@@ -219,6 +226,33 @@ RULES: dict[Kind, Rule] = {rule.kind: rule for rule in (
 )}
 
 
+#: What a split step refuses, one line each, as the README lists it (``tests/test_ledger.py``
+#: checks that the README and this table agree, and that each line has a test).
+REFUSED: tuple[str, ...] = (
+    "a parameter or optimizer state changed in place outside the optimizer step, in a "
+    "micro-batch before the last (an EMA or teacher update, weight clipping, a manual edit)",
+    "any other tensor that existed before the step changed in place in a micro-batch before "
+    "the last (a running sum, a dict of shadow weights, a buffer written outside its module's "
+    "forward), unless declared with `additive=`",
+    "a gradient changed in place outside backward in a micro-batch before the last (it is "
+    "partial there)",
+    "a `.grad` assigned by the step (`torch.autograd.grad`, then `p.grad = g`: gradient "
+    "surgery)",
+    "an optimizer hyperparameter changed in the step: an LR scheduler not given as "
+    "`scheduler=`, or an `lr` changed by hand; a scheduler stepped with arguments "
+    "(`ReduceLROnPlateau`)",
+    "an optimizer the decorator was not given stepping in a micro-batch; a step that "
+    "interleaves optimizers (a GAN's discriminator, then its generator: decorate each part)",
+    "a gradient hook on a parameter (`register_hook`), which would see each micro-batch's "
+    "part of the gradient",
+    "a backward that does not go through `torch.autograd.backward` (so it cannot be weighted), "
+    "and `optimizer.step(closure)` (LBFGS)",
+    "an OOM after an optimizer step began changing parameters (except inside an optimizer's "
+    "first step, before any parameter changed, which is retried): the update stays applied, "
+    "and the step is not retried",
+)
+
+
 class Refusal(AutobatchError):
     """A split step did something that cannot be replayed exactly; nothing of the batch was
     kept (the state is as it was before the call)."""
@@ -303,6 +337,7 @@ def _search(fn: Any, key: int, depth: int = 3) -> str | None:
     ``self``, closure variables and globals, through attributes, dicts and lists."""
     if fn is None:
         return None
+    fn = inspect.unwrap(fn)
     roots: list[tuple[str, Any]] = []
     owner = getattr(fn, "__self__", None)
     if owner is not None:

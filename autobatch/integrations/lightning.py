@@ -23,10 +23,11 @@ AutobatchCallback(find=True, guard=True, batch_arg='batch_size', headroom=0.1)
   holds the whole batch's gradient; Lightning then runs its backward on a loss without a graph
   (nothing to add), clips, unscales and steps once, as for the unsplit batch. The loss it
   returns and every value logged with ``self.log`` are the whole batch's (the micro-batches'
-  values joined as their ``reduce_fx`` joins steps), logged once per batch. torchmetrics
-  metrics the module holds are put back as they were after an attempt that ran out of memory,
-  so each row updates them once (a metric object logged per step shows its last micro-batch's
-  value; its epoch value is the whole epoch's).
+  values joined as their ``reduce_fx`` joins steps), logged once per batch. The recovery
+  engine's ledger puts the torchmetrics metrics the module holds back as they were after an
+  attempt that ran out of memory, and after a batch that starts over, so each row updates them
+  once (a metric object logged per step shows its last micro-batch's value; its epoch value is
+  the whole epoch's).
 
 Supported: automatic optimization on one device (the ``"auto"`` single-device strategy), with
 the precisions ``32-true``, ``64-true``, ``16-true``, ``bf16-true``, ``bf16-mixed`` and
@@ -450,49 +451,6 @@ def _detached(value: Any) -> Any:
     return value
 
 
-class _MetricStates:
-    """The states of the torchmetrics metrics a module holds, copied before each attempt of a
-    micro-batch and put back after a failed one: a metric updated by an attempt that then ran
-    out of memory would otherwise count those rows twice."""
-
-    def __init__(self, module: Any) -> None:
-        try:
-            from torchmetrics import Metric
-        except ImportError:  # pragma: no cover - Lightning depends on torchmetrics
-            self.metrics: list[Any] = []
-        else:
-            self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
-
-    def save(self) -> list[tuple[Any, dict[str, Any], tuple[Any, ...]]]:
-        saved = []
-        with torch.no_grad():
-            for metric in self.metrics:
-                states = {name: _copy_state(getattr(metric, name)) for name in metric._defaults}
-                private = tuple(getattr(metric, name, None) for name in _METRIC_PRIVATE)
-                saved.append((metric, states, private))
-        return saved
-
-    @staticmethod
-    def restore(saved: list[tuple[Any, dict[str, Any], tuple[Any, ...]]]) -> None:
-        for metric, states, private in saved:
-            for name, value in states.items():
-                setattr(metric, name, value)
-            for name, value in zip(_METRIC_PRIVATE, private, strict=True):
-                setattr(metric, name, value)
-
-
-#: What a metric's update changes besides its states (torchmetrics' own bookkeeping).
-_METRIC_PRIVATE = ("_update_count", "_computed", "_forward_cache")
-
-
-def _copy_state(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, list):
-        return list(value)  # list states grow by appending: the items are not changed
-    return value
-
-
 class _Guard:
     """The module's ``training_step`` replaced, while ``fit`` runs, by one that recovers from
     OOM (see the module documentation)."""
@@ -505,7 +463,6 @@ class _Guard:
         self.reduction = callback.reduction
         self.items = callback.items
         self.skip_zero: _common.Patch | None = None
-        self.metric_states = _MetricStates(module)
         self.step = retry_on_oom(
             policy="accumulate",
             model=module,
@@ -574,21 +531,15 @@ class _Guard:
         def record(name: str, value: Any, *rest: Any, **options: Any) -> None:
             logged.append(_Logged(name, _detached(value), rest, options))
 
-        metrics = self.metric_states.save() if self.metric_states.metrics else None
         patch = _common.Patch(self.module, "log", record)
         try:
-            try:
-                output = self.original(batch, *args, **kwargs)
-            finally:
-                patch.undo()
-            loss = _loss_of(output)
-            if loss is not None:
-                _backward(self.trainer, self.module, loss)
-            del loss
-        except BaseException:
-            if metrics is not None:  # this attempt's updates are undone; the engine retries
-                _MetricStates.restore(metrics)
-            raise
+            output = self.original(batch, *args, **kwargs)
+        finally:
+            patch.undo()
+        loss = _loss_of(output)
+        if loss is not None:
+            _backward(self.trainer, self.module, loss)
+        del loss
         rows = _common.rows_of(batch)
         count = float(rows)
         if self.items is not None and self.reduction == "mean":
