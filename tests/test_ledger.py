@@ -83,6 +83,9 @@ def test_a_batch_norm_forward_is_seen_writing_its_statistics() -> None:
         def named_modules_known(self) -> list[tuple[str, nn.Module]]:
             return [("bn", bn)]
 
+        def params_known(self) -> list[torch.Tensor]:
+            return []
+
     ledger = Ledger(Host())  # type: ignore[arg-type]
     ledger.open([], split=True)
     with ledger.attempt(early=True):
@@ -108,6 +111,9 @@ def test_writes_to_tensors_made_in_the_attempt_are_the_steps_own() -> None:
             return []
 
         def named_modules_known(self) -> list[tuple[str, nn.Module]]:
+            return []
+
+        def params_known(self) -> list[torch.Tensor]:
             return []
 
     held = torch.zeros(3)

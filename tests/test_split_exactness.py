@@ -441,3 +441,101 @@ def test_refusals_leave_no_optimizer_step_behind() -> None:
     assert torch.equal(ema["w"], torch.zeros(3))
     for a, b in zip(before, model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+# check_split itself ----------------------------------------------------------------------------
+
+
+def test_check_split_reports_nothing_on_an_exact_step_and_puts_everything_back() -> None:
+    torch.set_default_dtype(torch.float32)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        opt.step()
+        sched.step()
+
+    step(_data(8, seed=5))  # some optimizer state, a gradient left, a scheduler that moved
+    params = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    state = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    rng = torch.random.get_rng_state()
+    report = check_split(step, _data(8), optimizer=opt, model=model, scheduler=sched)
+    assert report, report
+    assert all(s.fired and s.exact for s in report.schedules)
+    assert report.refusal is None
+    assert report.differences == []
+    for a, b in zip(params, model.parameters(), strict=True):
+        assert b.dtype == torch.float32
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
+    assert all(torch.equal(v, opt.state[model[0].weight][k]) for k, v in state.items())
+    assert sched.last_epoch == 1
+    assert torch.equal(rng, torch.random.get_rng_state())
+
+
+def test_check_split_reports_a_step_that_is_not_exact() -> None:
+    """Told the loss is a sum when it is a mean, the micro-batches are added unweighted: every
+    schedule reports the parameters and the optimizer state that differ."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        opt.step()
+
+    report = check_split(step, _data(), optimizer=opt, model=model, reduction="sum")
+    assert not report
+    assert report.refusal is None
+    assert any("parameter model.0.weight" in d for d in report.differences)
+    with pytest.raises(AssertionError, match="NOT exact when split"):
+        report.assert_exact()
+
+
+def test_check_split_finds_case_1_across_an_accumulation_window() -> None:
+    """The window's first call accumulates, the checked one steps: exact (``before=``)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+    def step(batch: Any) -> None:
+        x, y, last = batch
+        (_loss(model, (x, y)) / 2).backward()
+        if last:
+            opt.step()
+            opt.zero_grad()
+
+    first, checked = (*_data(8, seed=3), False), (*_data(8, seed=4), True)
+    assert check_split(step, checked, optimizer=opt, model=model, before=[first])
+
+
+def test_check_split_finds_case_7_a_temperature_outside_the_model() -> None:
+    model = _model()
+    temperature = nn.Parameter(torch.tensor(0.5))
+
+    def gradients(batch: Any) -> None:
+        nn.functional.cross_entropy(model(batch[0]) / temperature, batch[1]).backward()
+
+    report = check_split(gradients, _data(), model=model, policy="accumulate",
+                         objects=[{"temperature": temperature}])
+    assert report, report
+
+
+def test_check_split_finds_case_12_a_python_counter() -> None:
+    """What the ledger cannot see, check_split still reports: a counter in the step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {"n": 0}
+
+    def step(batch: Any) -> None:
+        calls["n"] += 1
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        opt.step()
+
+    report = check_split(step, _data(), optimizer=opt, model=model, objects=[calls])
+    assert not report
+    assert all(d.startswith("[") and "objects[0]['n']" in d for d in report.differences)

@@ -84,26 +84,6 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
-def _leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaf tensors whose gradients a backward from ``roots`` accumulates."""
-    found: dict[int, torch.Tensor] = {}
-    stack: list[Any] = [
-        t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None
-    ]
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found.setdefault(id(variable), variable)
-            continue
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return list(found.values())
-
-
 #: The sessions of the split batches running now, innermost last.
 _SESSIONS: list[_Accumulation] = []
 
@@ -306,7 +286,7 @@ class _Accumulation:
                 "do here. Call backward() on the loss tensor, or use policy='shrink'"
             )
         inputs = kwargs.get("inputs")
-        leaves = _leaves(roots) if inputs is None else list(
+        leaves = _ledger.leaves(roots) if inputs is None else list(
             [inputs] if isinstance(inputs, torch.Tensor) else inputs
         )
         fresh = [p for p in leaves if id(p) not in self.ids and isinstance(p, torch.nn.Parameter)]
@@ -329,6 +309,10 @@ class _Accumulation:
                 "gradient, or use policy='shrink'",
             )
         self.track(fresh)
+        ledger = _ledger.watching()
+        if ledger is not None and fresh:
+            ledger.adopt(fresh)
+            ledger.adopted += fresh
         if self.weight == 0.0:  # a piece without items: its loss (0/0) adds nothing
             self._backward_done()
             return None

@@ -115,6 +115,10 @@ class _Known:
         for module in modules:
             self.add_module(module)
 
+    def add_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Watch these parameters too (found receiving gradients outside the known modules)."""
+        self._add_params(params)
+
     def _add_params(self, params: Iterable[torch.Tensor]) -> None:
         added = [p for p in params if id(p) not in self.param_ids]
         if added:

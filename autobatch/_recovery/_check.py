@@ -376,6 +376,12 @@ class _World:
                 self.modules.append((name, module))
         self.optimizers = options.optimizers
         self.schedulers = options.schedulers
+        in_modules = {id(p) for _, m in self.modules for p in m.parameters()}
+        self.loose = [  # leaves that learn outside the modules (a temperature among objects)
+            (name, t) for i, obj in enumerate(self.objects)
+            for name, t in _flatten_leaves(obj, f"objects[{i}]")
+            if id(t) not in in_modules
+        ]
         shared: list[Any] = [m for _, top in self.modules for m in top.modules()]
         shared += [*self.optimizers, *self.schedulers, *self.params()]
         shared += [b for _, top in self.modules for b in top.buffers()]
@@ -389,6 +395,7 @@ class _World:
         found: dict[int, torch.Tensor] = {}
         for _, module in self.modules:
             found.update((id(p), p) for p in module.parameters())
+        found.update((id(p), p) for _, p in self.loose)
         for optimizer in self.optimizers:
             found.update((id(p), p) for g in optimizer.param_groups for p in g["params"])
         return list(found.values())
@@ -398,6 +405,8 @@ class _World:
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor, str]]:
         """(name, tensor, kind) of every parameter and buffer (kind "parameter"/"buffer")."""
+        for name, p in self.loose:
+            yield name, p, "parameter"
         for prefix, module in self.modules:
             for name, p in module.named_parameters():
                 yield f"{prefix}.{name}", p, "parameter"
@@ -512,6 +521,19 @@ class _World:
                 norm.forward = forward
                 stack.callback(norm.__dict__.pop, "forward", None)
             yield
+
+
+def _flatten_leaves(obj: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors that learn (leaves requiring gradients) an object holds, by name."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad and obj.grad_fn is None:
+            yield name, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _flatten_leaves(value, f"{name}[{key!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _flatten_leaves(value, f"{name}[{i}]")
 
 
 def _value(value: Any) -> Any:

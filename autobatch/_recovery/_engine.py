@@ -124,6 +124,9 @@ class _Engine:
     def modules_known(self) -> list[nn.Module]:
         return self.known.modules
 
+    def params_known(self) -> list[torch.Tensor]:
+        return self.known.params
+
     def named_modules_known(self) -> list[tuple[str, nn.Module]]:
         """The known modules, each by the name the step's code gives it (``model=`` is
         "model"), else by its type."""
@@ -490,6 +493,8 @@ class _Engine:
                         ledger.check_piece(session.params, session.unfolded)
                     if watched:
                         self.known.learn(ledger.first_attempt_written())
+                        self.known.add_params(ledger.adopted)
+                        ledger.adopted = []
                     if statistics:  # the step's own memory does not grow with the piece
                         self.sizes.record(key, eps, n, phases.outside - baseline)
                     pieces.append((n, result, weight))

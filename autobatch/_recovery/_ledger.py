@@ -21,6 +21,7 @@ of memory is never watched (see :mod:`._attempt` for its cheaper checks).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -116,6 +117,8 @@ class _Host(Protocol):
     def modules_known(self) -> list[nn.Module]: ...
 
     def named_modules_known(self) -> list[tuple[str, nn.Module]]: ...
+
+    def params_known(self) -> list[torch.Tensor]: ...
 
 
 _View = tuple[int, int, tuple[int, ...], tuple[int, ...]]
@@ -231,6 +234,41 @@ def _call(facts: OpFacts, func: Any, args: tuple[Any, ...], kwargs: dict[str, An
     return func(*args, **kwargs)
 
 
+def leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors whose gradients a backward from ``roots`` accumulates."""
+    found: dict[int, torch.Tensor] = {}
+    stack: list[Any] = [
+        t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.setdefault(id(variable), variable)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return list(found.values())
+
+
+def _discovering(real: Callable[..., Any], ledger: Ledger, tensors: Any, *args: Any,
+                 **kwargs: Any) -> Any:
+    """``torch.autograd.backward`` in a watched whole attempt: the parameters outside the
+    known modules that receive gradients are found first (then indexed, and known to the fast
+    path), and the backward runs as it is."""
+    if torch._C._current_autograd_node() is None and watching() is ledger:
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        found = [p for p in leaves(t for t in roots if isinstance(t, torch.Tensor))
+                 if isinstance(p, nn.Parameter) and _key(p) not in ledger.index]
+        if found:
+            ledger.adopt(found)
+            ledger.adopted += found
+    return real(tensors, *args, **kwargs)
+
+
 # The ledger -----------------------------------------------------------------------------------
 
 
@@ -270,6 +308,7 @@ class Ledger:
         self.learned: list[tuple[Kind, torch.Tensor]] = []  # written before a step, for the fast path
         self.params: list[torch.Tensor] = []
         self.opaque: list[torch.Tensor] = []  # buffers of compiled modules
+        self.adopted: list[torch.Tensor] = []  # parameters found outside the known modules
         self._norms: dict[int, nn.Module] = {}  # BatchNorm layers seen updating statistics
         self._is_open = False
 
@@ -313,6 +352,8 @@ class Ledger:
                 for key, value in state.items():
                     for t in _tensors((value,)):
                         index[_key(t)] = (Kind.OPTIMIZER, f"{label}.state[{names.get(id(p), 'p')}][{key!r}]")
+        for p in host.params_known():  # (parameters found outside the modules: a temperature)
+            params.setdefault(id(p), p)
         self.params = list(params.values())
         self.carried = []
         for p in self.params:
@@ -409,10 +450,14 @@ class Ledger:
             ),
         ]
         _WATCHING.append(self)
+        real_backward = torch.autograd.backward
+        if records and not split:  # (a split batch's session finds them itself)
+            torch.autograd.backward = functools.partial(_discovering, real_backward, self)
         try:
             with _Mode(self) if records or gate is not None else nullcontext():
                 yield
         finally:
+            torch.autograd.backward = real_backward
             _WATCHING.remove(self)
             for hook in hooks:
                 hook.remove()
@@ -516,6 +561,23 @@ class Ledger:
             f"changed {kind.value} {shown} ({_describe(tensor)}) in place ({op})",
             where, rule.why, rule.fix,
         )
+
+    def adopt(self, params: Iterable[torch.Tensor]) -> None:
+        """Leaves found receiving gradients in a backward (parameters outside the known
+        modules, a learned temperature): their data and gradients are indexed as parameters'
+        and gradients' from now on, their gradients put back on a restart."""
+        if not self._is_open:
+            return
+        for p in params:
+            label = self.name_of(p)
+            for t in _tensors((p,)):
+                self.index.setdefault(_key(t), (Kind.PARAMETER, label))
+            grad = p.grad
+            if grad is not None and all(q is not p for q, _ in self.carried):
+                for t in _tensors((grad,)):
+                    self.index.setdefault(_key(t), (Kind.GRADIENT, f"{label}.grad"))
+            if all(q is not p for q, _ in self.carried):
+                self.carried.append((p, None if grad is None else weakref.ref(grad)))
 
     def _back_up(self, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` before its first write in this attempt (and in this batch)."""
