@@ -29,6 +29,13 @@
    ``expandable_segments`` (set at run time on the GPU). Neither side
    is capped. Kernel workspaces (cuBLAS, cuDNN) and CUDA-only kernels are what the simulator
    cannot see; in the dry run both sides are simulated and every difference must be 0.
+8. The write ledger on the device (split steps on pieces forced by injected OOMs): that it sees
+   backward's operators, which CUDA runs on autograd's device threads (BatchNorm's statistics
+   backed up, gradients folded by the hooks there); ``check_split`` in float64 on the device for
+   a step with AdamW, clipping, a scheduler and BatchNorm (exact), an EMA (refused, state
+   unchanged), an optimizer fused into backward (exact); a ``torch.compile``d model split (it
+   stays compiled: no new frame skipped); and what the ledger costs a split step of the
+   transformer, with and without it.
 The process's memory fraction is a setting of this process's allocator, not of the card.
 """
 
@@ -39,6 +46,7 @@ import contextlib
 import copy
 import gc
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -565,6 +573,179 @@ def check_reserved(
     return rows
 
 
+def check_ledger(device: torch.device, dry_run: bool, workloads: Workloads) -> list[str]:
+    """Check 8: the write ledger on the device."""
+    from autobatch._recovery import _ledger
+    from autobatch.testing import check_split
+
+    rows = ["| check | result |", "|---|---|"]
+    torch.manual_seed(0)
+    # (a) backward's operators are seen (on autograd's device thread on CUDA)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10))
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = {"backward ops": 0, "threads": set()}
+    real_dispatch = _ledger._Mode.__torch_dispatch__
+
+    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch._C._current_autograd_node() is not None:
+            seen["backward ops"] += 1
+            seen["threads"].add(threading.get_ident())
+        return real_dispatch(self, func, types, args, kwargs)
+
+    cap = [32]
+
+    @autobatch.retry_on_oom(optimizer=opt)
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if len(batch[0]) > cap[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        opt.zero_grad()
+        CE(model(batch[0]), batch[1]).backward()
+        opt.step()
+
+    batch = (torch.randn(64, 64, device=device), torch.randint(0, 10, (64,), device=device))
+    tracked = int(model[1].num_batches_tracked)
+    _ledger._Mode.__torch_dispatch__ = counting  # type: ignore[method-assign]
+    try:
+        step(batch)
+    finally:
+        _ledger._Mode.__torch_dispatch__ = real_dispatch  # type: ignore[method-assign]
+    rows.append(f"| split step: micro-batch, OOMs, BatchNorm updates | "
+                f"{step.stats.micro_batch_size}, {step.stats.ooms}, "
+                f"{int(model[1].num_batches_tracked) - tracked} |")
+    caller = threading.get_ident() in seen["threads"]
+    rows.append(f"| backward operators the ledger saw (on the caller's thread / another) | "
+                f"{seen['backward ops']} ({'caller' if caller else 'autograd device thread'}) |")
+    # (b) check_split on the device, float64
+    net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    net = net.to(device)
+    adam = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LinearLR(adam, total_iters=10)
+    shadow = {n: p.detach().clone() for n, p in net.named_parameters()}
+    data = (torch.randn(16, 16, device=device), torch.randint(0, 4, (16,), device=device))
+
+    def train(b: tuple[torch.Tensor, torch.Tensor]) -> None:
+        adam.zero_grad()
+        CE(net(b[0]), b[1]).backward()
+        nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        adam.step()
+        sched.step()
+
+    def with_ema(b: tuple[torch.Tensor, torch.Tensor]) -> None:
+        train(b)
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                shadow[n].lerp_(p, 0.1)
+
+    exact = check_split(train, data, optimizer=adam, scheduler=sched, model=net)
+    refused = check_split(with_ema, data, optimizer=adam, scheduler=sched, model=net,
+                          objects=[shadow])
+    rows.append(f"| check_split, AdamW + clipping + scheduler + BatchNorm | "
+                f"{'exact' if exact else 'NOT exact: ' + '; '.join(exact.differences[:3])} |")
+    unchanged = refused.refusal is not None and not refused.differences
+    rows.append(f"| check_split, an EMA in the step | "
+                f"{'refused, state unchanged' if unchanged else str(refused)[:200]} |")
+    per_param = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in net.parameters()}
+
+    def fused_hook(p: torch.Tensor) -> None:
+        per_param[p].step()
+        per_param[p].zero_grad()
+
+    handles = [p.register_post_accumulate_grad_hook(fused_hook) for p in net.parameters()]
+    try:
+        fused = check_split(lambda b: CE(net(b[0]), b[1]).backward(), data,
+                            optimizer=list(per_param.values()), model=net,
+                            schedules=["forward", "backward", "backward_last"])
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows.append(f"| check_split, an optimizer fused into backward (device thread) | "
+                f"{'exact' if fused else '; '.join(fused.differences[:3]) or fused.refusal} |")
+    # (c) a compiled model stays compiled after split steps
+    compiles = [0]
+
+    def backend(graph: Any, inputs: Any) -> Any:
+        compiles[0] += 1
+        return graph.forward
+
+    plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(device)
+    compiled = torch.compile(plain, backend=backend, dynamic=False)
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+
+    rows_allowed = [10**9]
+
+    @autobatch.retry_on_oom(optimizer=sgd)
+    def compiled_step(b: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if len(b[0]) > rows_allowed[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        sgd.zero_grad()
+        CE(compiled(b[0]), b[1]).backward()
+        sgd.step()
+
+    compiled_step(data)
+    before = compiles[0]
+    rows_allowed[0] = 8
+    compiled_step(data)  # split under the ledger: 8-row pieces, a new shape
+    rows_allowed[0] = 10**9
+    compiled_step(data)
+    compiled_step((data[0][:8], data[1][:8]))  # the piece's shape again, outside the ledger
+    rows.append(f"| a compiled model: compiles before / after split steps | {before} / "
+                f"{compiles[0]} (compiled again for a new shape, never left eager) |")
+    # (d) what the ledger costs a split step of the transformer
+    name = next(iter(workloads))
+    factory, sample = workloads[name]
+    torch.manual_seed(0)
+    big = factory().to(device)
+    big_opt = torch.optim.AdamW(big.parameters(), lr=1e-4)
+    xb = [t.to(device) for t in sample(32)]
+    limit = [16]
+
+    @autobatch.retry_on_oom(optimizer=big_opt)
+    def big_step(b: list[torch.Tensor]) -> None:
+        if len(b[0]) > limit[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        big_opt.zero_grad()
+        CE(big(b[0]), b[1]).backward()
+        big_opt.step()
+
+    big_step(xb)
+    limit[0] = 10**9
+    memory = memory_for(device)
+
+    def timed(runs: int = 5) -> float:
+        memory.synchronize()
+        start = time.perf_counter()
+        for _ in range(runs):
+            big_step(xb)
+        memory.synchronize()
+        return (time.perf_counter() - start) / runs
+
+    timed(2)
+    watched = timed()
+    real_mode = _ledger._Mode
+
+    class Off:
+        def __init__(self, ledger: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    _ledger._Mode = Off  # type: ignore[misc, assignment]
+    try:
+        timed(2)
+        unwatched = timed()
+    finally:
+        _ledger._Mode = real_mode  # type: ignore[misc]
+    rows.append(f"| {name}, 2 micro-batches of 16: ms per step with / without the ledger | "
+                f"{watched * 1e3:.1f} / {unwatched * 1e3:.1f} (ratio {watched / unwatched:.2f}) |")
+    autobatch.free_memory()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="run on a SimulatedGPU (CPU)")
@@ -584,6 +765,7 @@ def main() -> None:
         ("5. Cost of recording peaks during a trial (min of 5 steps)", check_recording_cost),
         ("6. Caching-allocator model vs CUDA's allocator: reserved peak of the same steps",
          check_reserved),
+        ("8. The write ledger on the device", check_ledger),
     ]
     for title, check in checks:
         start = time.perf_counter()
