@@ -286,7 +286,7 @@ class _Accumulation:
                 "do here. Call backward() on the loss tensor, or use policy='shrink'"
             )
         inputs = kwargs.get("inputs")
-        leaves = _ledger.leaves(roots) if inputs is None else list(
+        leaves = _rules.leaves(roots) if inputs is None else list(
             [inputs] if isinstance(inputs, torch.Tensor) else inputs
         )
         fresh = [p for p in leaves if id(p) not in self.ids and isinstance(p, torch.nn.Parameter)]

@@ -11,7 +11,7 @@ business; a write to one that existed before it is looked up in the ledger's ind
 model's parameters and buffers, gradients, optimizer state, metric states, tensors declared
 additive, the batch) and judged by the rule of its kind (:data:`._rules.RULES`).
 
-Other changes are seen at the edges of an attempt (:data:`CHECKS`): a ``.grad`` assigned, a
+Other changes are seen at the edges of an attempt (:data:`._rules.CHECKS`): a ``.grad`` assigned, a
 changed optimizer hyperparameter (an LR scheduler not given). Optimizer steps are seen by one
 process-wide pre-hook (:func:`see_optimizer_steps`), for the ledger and for the fast path's
 attempts alike. After a refusal, or any error other than an out-of-memory one, the batch is
@@ -51,7 +51,9 @@ from autobatch._errors import AutobatchError
 from autobatch._recovery import _attempt
 from autobatch._recovery._rules import (
     _BUSY,
+    CHECKS,
     RULES,
+    Edge,
     Kind,
     Verdict,
     Write,
@@ -69,6 +71,7 @@ from autobatch._recovery._rules import (
     first_step_error,
     first_step_retryable,
     host_copy,
+    leaves,
     refusal,
     user_frame,
 )
@@ -215,7 +218,7 @@ class _Mode(DispatchMode):
                 ledger.writing(tensor, facts.name)
         out = _call(facts, func, args, kwargs)
         if facts.fresh:
-            if type(out) is torch.Tensor:
+            if type(out) is torch.Tensor and out.layout is torch.strided:
                 ledger.fresh.add(out.untyped_storage()._cdata)
             else:
                 for tensor in _tensors((out,)):
@@ -232,26 +235,6 @@ def _call(facts: OpFacts, func: Any, args: tuple[Any, ...], kwargs: dict[str, An
     if facts.foreach_write:
         return call_keeping_versions(func, args, kwargs)
     return func(*args, **kwargs)
-
-
-def leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaf tensors whose gradients a backward from ``roots`` accumulates."""
-    found: dict[int, torch.Tensor] = {}
-    stack: list[Any] = [
-        t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None
-    ]
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found.setdefault(id(variable), variable)
-            continue
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return list(found.values())
 
 
 def _discovering(real: Callable[..., Any], ledger: Ledger, tensors: Any, *args: Any,
@@ -619,8 +602,13 @@ class Ledger:
     def check_piece(self, params: Iterable[torch.Tensor], unfolded: set[int]) -> None:
         """After an early piece that succeeded: refuse what it changed outside the operators
         (run before any optimizer stepped)."""
+        edge = Edge(
+            self.host.name, list(params), unfolded,
+            {id(p): ref() for p, ref in self.carried if ref is not None},
+            self.host.optimizers, self.hyper, self.name_of,
+        )
         for check in CHECKS:
-            check(self, list(params), unfolded)
+            check(edge)
         self.piece = _Backups()
 
     def undo_piece(self) -> None:
@@ -687,67 +675,5 @@ class Ledger:
         """What watched whole attempts wrote that the fast path should copy (then forget)."""
         learned, self.learned = self.learned, []
         return learned
-
-
-# Changes seen at the edges of an attempt -------------------------------------------------------
-
-
-def _gradient_assigned(
-    ledger: Ledger, params: list[torch.Tensor], unfolded: set[int]
-) -> None:
-    """After an early piece every gradient was folded into autobatch's sums: one in ``.grad``
-    now (other than one carried from before the batch, which no backward reached) was put
-    there by the step itself (``p.grad = ...`` after ``torch.autograd.grad``)."""
-    carried = {id(p): ref() for p, ref in ledger.carried if ref is not None}
-    for p in params:
-        grad = p.grad
-        if grad is not None and id(p) not in unfolded and grad is not carried.get(id(p)):
-            raise refusal(
-                ledger.host.name,
-                f"set the gradient of {ledger.name_of(p)} ({_describe(p)}) itself",
-                "the end of a micro-batch",
-                "autobatch weights and adds the gradients that backward() accumulates; a "
-                "gradient assigned to .grad (after torch.autograd.grad, or gradient surgery) "
-                "cannot be weighted per micro-batch, so only the last micro-batch's would count",
-                "compute gradients with loss.backward(), or use policy='shrink'",
-            )
-
-
-def _hyperparameters_changed(
-    ledger: Ledger, params: list[torch.Tensor], unfolded: set[int]
-) -> None:
-    """An optimizer hyperparameter that changed in an early piece (a scheduler not given)."""
-    for optimizer, groups in zip(ledger.host.optimizers, ledger.hyper, strict=False):
-        for index, (group, saved) in enumerate(zip(optimizer.param_groups, groups, strict=False)):
-            for key, value in saved.items():
-                now = group.get(key)
-                if now is value or _same(now, value):
-                    continue
-                raise refusal(
-                    ledger.host.name,
-                    f"changed {type(optimizer).__name__}.param_groups[{index}][{key!r}] "
-                    f"from {value!r} to {now!r}",
-                    "a micro-batch before the last",
-                    "an LR scheduler or a manual change would run once per micro-batch instead "
-                    "of once per batch",
-                    "pass the scheduler, retry_on_oom(optimizer=opt, scheduler=sched), so that "
-                    "it steps once per batch, or change hyperparameters outside the step",
-                )
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # pragma: no cover - an exotic value
-        return False
-
-
-#: What :meth:`Ledger.check_piece` looks at after an early piece, in order.
-CHECKS: tuple[Callable[[Ledger, list[torch.Tensor], set[int]], None], ...] = (
-    _gradient_assigned,
-    _hyperparameters_changed,
-)
 
 

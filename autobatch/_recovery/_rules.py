@@ -449,3 +449,96 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy in host memory made outside every dispatch mode."""
     with _disable_current_modes():
         return tensor.detach().to("cpu", copy=True)
+
+
+def leaves(roots: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors whose gradients a backward from ``roots`` accumulates."""
+    found: dict[int, torch.Tensor] = {}
+    stack: list[Any] = [
+        t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.setdefault(id(variable), variable)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return list(found.values())
+
+
+# Changes seen at the edges of an attempt -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Edge:
+    """What the checks at the end of an early piece look at."""
+
+    step: str
+    params: list[torch.Tensor]
+    unfolded: set[int]
+    carried: dict[int, torch.Tensor | None]
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    hyper: list[list[dict[str, Any]]]
+    name_of: Callable[[torch.Tensor], str]
+
+
+
+def _gradient_assigned(edge: Edge) -> None:
+    """After an early piece every gradient was folded into autobatch's sums: one in ``.grad``
+    now (other than one carried from before the batch, which no backward reached) was put
+    there by the step itself (``p.grad = ...`` after ``torch.autograd.grad``)."""
+    for p in edge.params:
+        grad = p.grad
+        if grad is not None and id(p) not in edge.unfolded and grad is not edge.carried.get(id(p)):
+            raise refusal(
+                edge.step,
+                f"set the gradient of {edge.name_of(p)} ({_describe(p)}) itself",
+                "the end of a micro-batch",
+                "autobatch weights and adds the gradients that backward() accumulates; a "
+                "gradient assigned to .grad (after torch.autograd.grad, or gradient surgery) "
+                "cannot be weighted per micro-batch, so only the last micro-batch's would count",
+                "compute gradients with loss.backward(), or use policy='shrink'",
+            )
+
+
+def _hyperparameters_changed(edge: Edge) -> None:
+    """An optimizer hyperparameter that changed in an early piece (a scheduler not given)."""
+    for optimizer, groups in zip(edge.optimizers, edge.hyper, strict=False):
+        for index, (group, saved) in enumerate(zip(optimizer.param_groups, groups, strict=False)):
+            for key, value in saved.items():
+                now = group.get(key)
+                if now is value or _same(now, value):
+                    continue
+                raise refusal(
+                    edge.step,
+                    f"changed {type(optimizer).__name__}.param_groups[{index}][{key!r}] "
+                    f"from {value!r} to {now!r}",
+                    "a micro-batch before the last",
+                    "an LR scheduler or a manual change would run once per micro-batch instead "
+                    "of once per batch",
+                    "pass the scheduler, retry_on_oom(optimizer=opt, scheduler=sched), so that "
+                    "it steps once per batch, or change hyperparameters outside the step",
+                )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # pragma: no cover - an exotic value
+        return False
+
+
+#: What the ledger looks at after an early piece (:meth:`._ledger.Ledger.check_piece`), in order.
+CHECKS: tuple[Callable[[Edge], None], ...] = (
+    _gradient_assigned,
+    _hyperparameters_changed,
+)
+
+
