@@ -131,6 +131,13 @@ def search_batch_size(
         scaler,
     )
     check_module("model", model)
+    if spec.train and optimizer is None and spec.step_fn is None:  # once per search
+        logger.warning(
+            "a training search without an optimizer runs forward and backward only: the "
+            "optimizer's state (AdamW's is twice the parameters) is not counted, and training "
+            "with one at the size found may run out of memory. Pass optimizer= (an optimizer "
+            "or its class)"
+        )
     target = model_device(model, device)
     memory = memory_for(target)
     store = open_cache(cache)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from autobatch import BatchSizeError
-from autobatch._throughput import ThroughputPoint, _choose, default_candidates, find_best_batch
+from autobatch._result import ThroughputPoint
+from autobatch._throughput import _choose, default_candidates, find_best_batch
 from autobatch.testing import SimulatedGPU, SimulatedMemory
 
 

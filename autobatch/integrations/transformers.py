@@ -39,7 +39,6 @@ the window's gradients aside, which is exact.
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,12 +47,13 @@ import torch
 from torch import nn
 
 from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
+from autobatch._log import get_logger, named_after
 from autobatch._recovery import RetryingStep
 from autobatch.integrations import _common
 
 __all__ = ["autobatch_trainer", "recovery_stats", "search_result"]
 
-logger = logging.getLogger("autobatch.integrations.transformers")
+logger = get_logger("integrations.transformers")
 
 _RESULTS: weakref.WeakKeyDictionary[Any, SearchResult] = weakref.WeakKeyDictionary()
 
@@ -113,10 +113,12 @@ def autobatch_trainer(
         _RESULTS[trainer] = result
         trainer.args.per_device_train_batch_size = result.batch_size
         trainer._train_batch_size = trainer.args.train_batch_size  # what train() builds with
-        logger.info(
-            "per_device_train_batch_size set to %d (largest that fits: %d, %d trials)",
-            result.batch_size, result.max_batch_size, len(result.trials),
-        )
+        if trainer.is_world_process_zero():  # as the Trainer's own messages
+            logger.warning(  # shown with no logging set up
+                "autobatch_trainer set per_device_train_batch_size to %d (the largest that fits "
+                "is %d; %d trials on %s)", result.batch_size, result.max_batch_size,
+                len(result.trials), result.device,
+            )
     if guard:
         _common.Patch(trainer, "training_step", GuardedTrainingStep(trainer, original, min_batch))
     return trainer
@@ -350,7 +352,7 @@ class GuardedTrainingStep:
                 batch_arg="inputs",
                 min_batch=self.min_batch,
                 device=trainer.args.device,
-            )(training_step)
+            )(named_after(training_step, original))  # messages name the trainer's own step
             self._steps[reduction] = step
         return step
 
