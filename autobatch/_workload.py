@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _batch
 from autobatch._backends import DeviceLike, resolve_device
@@ -373,9 +374,13 @@ def is_row_list(sample: object) -> bool:
     return False
 
 
-def collated(sample: Batch) -> Batch:
+def collated(sample: Batch, *, on_host: bool = False) -> Batch:
     """The sample as one batch: a list of per-row examples (see :func:`is_row_list`) collated
     as ``torch.utils.data.default_collate`` collates them; any other sample unchanged.
+
+    ``on_host=True`` collates where no dispatch mode sees it, so that a simulated GPU does not
+    count it: for a sample given once, which stays on the host while the batches cut from it
+    go to the device (a batch that a function returned is the batch, and counts).
 
     >>> rows = [{"x": torch.zeros(3), "label": 1}, {"x": torch.ones(3), "label": 0}]
     >>> batch = collated(rows)
@@ -405,7 +410,8 @@ def collated(sample: Batch) -> Batch:
     from torch.utils.data import default_collate
 
     try:
-        return default_collate(sample)
+        with _disable_current_modes() if on_host else contextlib.nullcontext():
+            return default_collate(sample)
     except (RuntimeError, TypeError) as error:
         why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TypeError(
@@ -447,7 +453,7 @@ def batch_factory(sample: Sample, device: torch.device) -> Callable[[int], Batch
             return _batch.move_batch(batch, device)
 
         return from_callable
-    sample = collated(sample)
+    sample = collated(sample, on_host=True)
     rows = _batch.batch_size(sample)  # validates shapes, names them when inconsistent
     if rows < 1:
         raise ValueError("sample has no rows; give at least one example along dimension 0")

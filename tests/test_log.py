@@ -8,6 +8,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ NO_OPTIMIZER = "a training search without an optimizer"
 SCRIPT = """
 import json
 import logging
+import re
 import sys
 import torch
 import autobatch
@@ -394,3 +396,20 @@ def test_trainer_size_and_recovered_oom_reach_stderr_once() -> None:
     name = "transformers.trainer.Trainer.training_step"  # the trainer's step, not our wrapper
     assert recovered[0].startswith(f"{name}: "), recovered
     assert printed["function"] == name
+
+
+def test_the_logging_page_examples_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "logging.md").read_text()
+    examples = re.findall(r"```python\n(.+?)```", page, flags=re.DOTALL)
+    assert examples
+    top = logging.getLogger("autobatch")
+    try:
+        for index, code in enumerate(examples):
+            exec(compile(code, f"docs/logging.md example {index}", "exec"), {"__name__": "docs"})
+    finally:
+        top.setLevel(logging.NOTSET)
+    out = capsys.readouterr().out
+    assert "True" in out
+    assert "False" not in out
