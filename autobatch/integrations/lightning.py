@@ -108,6 +108,9 @@ class AutobatchCallback(pl.Callback):  # type: ignore[misc]
     statistics (:class:`autobatch.RecoveryStats`). Both are logged as metrics through the
     trainer's loggers: ``autobatch/batch_size`` and ``autobatch/max_batch_size`` once, and
     ``autobatch/ooms`` and ``autobatch/micro_batch_size`` after each batch that recovered.
+    The size set, and each recovered OOM (naming the module's ``training_step``), are also
+    WARNINGs of the ``autobatch`` logger, shown once on Lightning's global rank 0 with no
+    logging set up (``docs/logging.md``).
 
     Args:
         find: search the batch size at the start of ``fit`` and set it.

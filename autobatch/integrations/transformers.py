@@ -14,8 +14,10 @@ survive OOM.
   checkpointing where ``args`` turn it on), clipping and its optimizer (created with ``create_optimizer()`` when the
   trainer has none yet, and dropped again, so that ``train()`` creates it as before), on the
   first rows of the training dataset collated by the trainer's data collator; the recommended
-  size is set as ``args.per_device_train_batch_size``. Weights, optimizer state, gradients and
-  random streams are left as they were. ``search_result(trainer)`` returns the record.
+  size is set as ``args.per_device_train_batch_size``, and said once, as a WARNING of the
+  ``autobatch`` logger on the main process (shown with no logging set up). Weights, optimizer
+  state, gradients and random streams are left as they were. ``search_result(trainer)``
+  returns the record.
 - ``guard``: ``trainer.training_step`` (which computes the loss and its gradients; the
   ``Trainer`` clips and steps outside it, after ``gradient_accumulation_steps`` calls) is
   replaced by one that recovers from OOM through :func:`autobatch.retry_on_oom` (a function that
@@ -25,7 +27,8 @@ survive OOM.
   passed to every micro-batch), the micro-batches' losses and gradients simply add; where the
   loss is a mean per batch, each micro-batch is weighted by its share of the batch's labels
   (``labels != -100``, shifted by one for causal language models, or ``shift_labels``; rows
-  when the batch has no labels). ``recovery_stats(trainer)`` says what happened.
+  when the batch has no labels). ``recovery_stats(trainer)`` says what happened; each
+  recovered OOM is a WARNING naming the trainer's ``training_step``.
 
 Refused with an :class:`~autobatch.AutobatchError`: several processes or devices (DDP,
 DataParallel, FSDP, DeepSpeed, SageMaker model parallelism, context or sequence parallelism),
