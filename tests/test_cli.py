@@ -273,10 +273,12 @@ def test_best(workdir: Path, monkeypatch: pytest.MonkeyPatch,
     assert document["samples_per_s"] >= (1 - document["tolerance"]) * document["best_samples_per_s"]
 
 
-def test_plan(workdir: Path) -> None:
-    result = run(workdir, "plan", *MLP, "--capacity", "2MiB", "--json")
-    assert result.returncode == 0, result.stderr
-    document = json.loads(result.stdout)
+def test_plan(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    assert main(["plan", *MLP, "--capacity", "2MiB", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
     assert document["command"] == "plan"
     assert document["batch_size"] <= document["max_batch_size"]
     assert document["capacity_bytes"] == 2 * 2**20

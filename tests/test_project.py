@@ -17,7 +17,7 @@ def test_readme_opens_with_the_two_commands() -> None:
     commands = re.findall(r"```(?:bash|sh)\n(.+?)\n```", README)
     assert commands[0] == 'python -m pip install "torch==2.13.0" -e . && python -m autobatch demo'
     assert commands[1] == (
-        'python -m pip install "torch==2.13.0" -e ".[test]" && python -m pytest -q'
+        'python -m pip install "torch==2.13.0" -e ".[test]" && python -m pytest -q -n 2'
     )
     ci = (ROOT / ".ci" / "run").read_text()
     assert "torch==2.13.0" in ci
