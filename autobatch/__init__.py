@@ -3,12 +3,11 @@
 :func:`find_max_batch` and :func:`search_batch_size` find the batch for one input shape;
 :func:`search_batch_sizes` one for every sequence length (a :class:`LengthTable`, for
 :class:`autobatch.data.MemoryAwareBatchSampler`); :func:`plan_max_batch` predicts without the
-device; :func:`retry_on_oom` and :func:`oom_guard` keep training alive when memory runs out.
+device; :func:`retry_on_oom` and :func:`oom_guard` keep training alive when memory runs out;
+:func:`find_best_batch` times sizes, and :func:`plot` draws what a search or a timing found.
 """
 
 from __future__ import annotations
-
-import logging
 
 from autobatch._backends import free_memory
 from autobatch._batch import per_batch
@@ -17,12 +16,11 @@ from autobatch._finder import find_max_batch, search_batch_size
 from autobatch._lengths import search_batch_sizes
 from autobatch._oom import is_oom_error, is_size_limit_error
 from autobatch._planner import Plan, PlanBreakdown, plan_max_batch
+from autobatch._plot import plot
 from autobatch._recovery import RecoveryStats, oom_guard, retry_on_oom
-from autobatch._result import LengthTable, SearchResult
-from autobatch._throughput import ThroughputResult, find_best_batch
+from autobatch._result import LengthTable, SearchResult, ThroughputResult
+from autobatch._throughput import find_best_batch
 from autobatch._version import __version__ as __version__
-
-logging.getLogger("autobatch").addHandler(logging.NullHandler())
 
 __all__ = [
     "AutobatchError",
@@ -41,6 +39,7 @@ __all__ = [
     "oom_guard",
     "per_batch",
     "plan_max_batch",
+    "plot",
     "retry_on_oom",
     "search_batch_size",
     "search_batch_sizes",

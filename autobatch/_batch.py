@@ -568,6 +568,10 @@ def describe(batch: Batch) -> str:
     kind = _kind(batch)
     if kind not in _CONTAINERS:
         return _describe_leaf(batch)
+    if kind == "sequence" and len(batch) > 2:  # many alike (rows of a dataset): one of them
+        texts = {describe(child) for child in batch}
+        if len(texts) == 1:
+            return f"{type(batch).__name__}({len(batch)} × {texts.pop()})"
     parts = []
     for key, _, child in _children(batch, kind):
         text = describe(child)

@@ -94,15 +94,19 @@ def search_batch_size(
 
     ``on_trial`` is called with each :class:`~autobatch.search.Trial` as it ends (this rank's
     own verdict, before the ranks agree); ``progress=True`` shows each trial as it ends (a
-    ``tqdm`` bar on a terminal when ``tqdm`` is installed, plain lines on stderr otherwise). A
-    cached answer runs no trial.
+    ``tqdm`` bar on a terminal when ``tqdm`` is installed, plain lines on stderr otherwise),
+    unless logging shows them already (``autobatch.trial`` at INFO). A cached answer runs no
+    trial.
 
     Args:
         model: The module to train, already on its device.
         sample: One or a few examples: a tensor, a (nested) tuple/list/dict of tensors sharing
             dimension 0, or a callable ``n -> batch`` (for the worst case, e.g. the longest
-            sequence). Batches of ``n`` are built by cycling the sample's rows and moved to the
-            model's device.
+            sequence). A list of per-row examples (dicts or tuples, as ``[dataset[i] for i in
+            range(8)]`` gives) is collated as ``torch.utils.data.default_collate`` does, or
+            refused with a ``TypeError`` where that would not be the batch (Python lists of
+            numbers, rows of different lengths). Batches of ``n`` are built by cycling the
+            sample's rows and moved to the model's device.
         optimizer: An optimizer (its state is created and restored), an optimizer class or factory
             (a temporary one is used), or None (forward and backward only).
         loss_fn: ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)``
@@ -131,6 +135,13 @@ def search_batch_size(
         scaler,
     )
     check_module("model", model)
+    if spec.train and optimizer is None and spec.step_fn is None:  # once per search
+        logger.warning(
+            "a training search without an optimizer runs forward and backward only: the "
+            "optimizer's state (AdamW's is twice the parameters) is not counted, and training "
+            "with one at the size found may run out of memory. Pass optimizer= (an optimizer "
+            "or its class)"
+        )
     target = model_device(model, device)
     memory = memory_for(target)
     store = open_cache(cache)

@@ -1,9 +1,19 @@
-"""The package's loggers: children of ``autobatch``, silent on every rank but 0."""
+"""The package's loggers, and how its messages name things.
+
+Every logger is a child of ``autobatch``, with no handler of the package's own: a user who
+configured nothing sees WARNING and above once, through Python's last-resort handler, and
+``logging.getLogger("autobatch")`` is the one switch. Under torch.distributed only rank 0 logs.
+"""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _RankZero(logging.Filter):
@@ -21,6 +31,59 @@ def get_logger(name: str) -> logging.Logger:
     if not any(isinstance(f, _RankZero) for f in logger.filters):
         logger.addFilter(_RankZero())
     return logger
+
+
+def shown(logger: logging.Logger, level: int) -> bool:
+    """Whether a record of ``level`` from ``logger`` reaches a handler that someone configured
+    (the last-resort handler, which shows WARNING and above when there is none, does not
+    count): then it need not be shown another way too."""
+    if not logger.isEnabledFor(level):
+        return False
+    node: logging.Logger | None = logger
+    while node is not None:
+        if any(level >= handler.level for handler in node.handlers):
+            return True
+        if not node.propagate:
+            return False
+        node = node.parent
+    return False
+
+
+def user_name(fn: object) -> str:
+    """How messages and histories name a user's function: ``module.qualname``.
+
+    >>> def train_step(batch): ...
+    >>> user_name(train_step).rsplit(".", 1)[-1]
+    'train_step'
+    >>> user_name(functools.partial(len))
+    'builtins.len'
+
+    A ``functools.partial`` is named by its function, a bound method by its class and name, and
+    another callable object by its class.
+    """
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    name = getattr(target, "__qualname__", None)
+    if not isinstance(name, str):
+        target = type(target)
+        name = target.__qualname__
+    module = getattr(target, "__module__", None)
+    return f"{module}.{name}" if isinstance(module, str) and module else name
+
+
+def named_after(wrapper: F, fn: object) -> F:
+    """``wrapper`` named as ``fn`` (its module, qualified name and name), so that
+    :func:`user_name` shows the user's function rather than the wrapper an integration runs.
+    Unlike ``functools.wraps``, the wrapper keeps its own signature."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    for attribute in ("__module__", "__qualname__", "__name__"):
+        value = getattr(target, attribute, None)
+        if isinstance(value, str):
+            setattr(wrapper, attribute, value)
+    return wrapper
 
 
 def user_stacklevel() -> int:

@@ -1,4 +1,5 @@
-"""Plots of a search (peak memory against batch size) and of a throughput curve.
+"""Plots of a search (peak memory against batch size) and of a throughput curve:
+:func:`plot` takes the record and draws it (the records know nothing of plotting).
 
 matplotlib is an optional extra (``pip install 'torch-autobatch[plot]'``), imported only here and
 only when a plot is asked for. The figures are made without pyplot, so plotting never switches
@@ -9,13 +10,10 @@ Every figure is :data:`FIGSIZE` inches at :data:`DPI` dots per inch (800 x 500 p
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from autobatch._result import SearchResult, ThroughputResult
 from autobatch._units import format_bytes
-
-if TYPE_CHECKING:
-    from autobatch._result import SearchResult
-    from autobatch._throughput import ThroughputResult
 
 #: Figure size in inches, and resolution: saved PNGs are 800 x 500 pixels.
 FIGSIZE = (8.0, 5.0)
@@ -25,6 +23,36 @@ _FIT = "#1f77b4"
 _FAIL = "#d62728"
 _LINE = "#7f7f7f"
 _PICK = "#2ca02c"
+
+
+def plot(
+    result: SearchResult | ThroughputResult, path: str | os.PathLike[str] | None = None
+) -> Any:
+    """Draw what a search or a throughput measurement found; returns the matplotlib figure.
+
+    A :class:`~autobatch.SearchResult` is drawn as peak memory against batch size (trials,
+    fitted line, capacity and headroom: :func:`plot_search`), a
+    :class:`~autobatch.ThroughputResult` as samples/second against batch size (with the
+    tolerance band and the chosen size: :func:`plot_throughput`). Needs matplotlib
+    (``pip install 'torch-autobatch[plot]'``). Saves a PNG (or any format matplotlib knows by
+    the file's extension) to ``path`` when given.
+
+    >>> import torch, autobatch
+    >>> from autobatch.testing import SimulatedGPU
+    >>> model = torch.nn.Linear(256, 10)
+    >>> with SimulatedGPU("4MiB"):
+    ...     result = autobatch.search_batch_size(model, torch.randn(1, 256), torch.optim.SGD)
+    >>> figure = autobatch.plot(result)  # the figure only (matplotlib's)
+    >>> figure = autobatch.plot(result, "search.png")  # doctest: +SKIP
+    """
+    if isinstance(result, SearchResult):
+        return plot_search(result, path)
+    if isinstance(result, ThroughputResult):
+        return plot_throughput(result, path)
+    raise TypeError(
+        "plot takes what autobatch.search_batch_size or autobatch.find_best_batch returned "
+        f"(a SearchResult or a ThroughputResult), got {type(result).__name__}"
+    )
 
 
 def _figure() -> Any:

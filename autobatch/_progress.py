@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
+from autobatch._log import get_logger, shown
 from autobatch._search import Trial
 
 OnTrial = Callable[[Trial], None]
+
+#: Where the trial runner logs each trial, at INFO.
+TRIAL_LOG = get_logger("trial")
 
 
 class TrialProgress:
@@ -56,13 +61,16 @@ class TrialProgress:
 @contextlib.contextmanager
 def watching(on_trial: OnTrial | None, progress: bool) -> Iterator[OnTrial | None]:
     """The callback a trial runner calls: the user's ``on_trial`` and, with ``progress``, a
-    :class:`TrialProgress` (closed when the block ends); ``None`` when neither is asked."""
+    :class:`TrialProgress` (closed when the block ends); ``None`` when neither is asked.
+
+    Where logging already shows each trial (``autobatch.trial`` at INFO reaches a handler that
+    was configured), ``progress`` adds nothing, so that no trial is shown twice."""
     if on_trial is not None and not callable(on_trial):
         raise TypeError(f"on_trial must be a callable taking a Trial, got {on_trial!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False, got {progress!r}")
-    shown = TrialProgress() if progress else None
-    callbacks = [f for f in (shown, on_trial) if f is not None]
+    display = TrialProgress() if progress and not shown(TRIAL_LOG, logging.INFO) else None
+    callbacks = [f for f in (display, on_trial) if f is not None]
 
     def each(trial: Trial) -> None:
         for callback in callbacks:
@@ -71,5 +79,5 @@ def watching(on_trial: OnTrial | None, progress: bool) -> Iterator[OnTrial | Non
     try:
         yield each if callbacks else None
     finally:
-        if shown is not None:
-            shown.close()
+        if display is not None:
+            display.close()

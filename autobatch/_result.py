@@ -1,8 +1,10 @@
 """The record of a search, :class:`SearchResult`, and its JSON form (what the cache stores); the
-record of a search over lengths, :class:`LengthTable`.
+record of a search over lengths, :class:`LengthTable`; the record of a throughput curve,
+:class:`ThroughputResult`.
 
 Above trial measurement and below the front-ends: the finder makes one, the cache stores and
-reads it back (checked field by field), the plot draws it.
+reads it back (checked field by field), the plots draw them (they know the records; the records
+know nothing of plotting).
 """
 
 from __future__ import annotations
@@ -104,16 +106,6 @@ class SearchResult:
         return "\n".join(lines)
 
     __str__ = __repr__
-
-    def plot(self, path: str | None = None) -> Any:
-        """Peak memory against batch size: trials, fitted line, capacity and headroom.
-
-        Needs matplotlib (``pip install torch-autobatch[plot]``). Saves to ``path`` when given;
-        returns the matplotlib figure.
-        """
-        from autobatch._plot import plot_search
-
-        return plot_search(self, path)
 
 
 def result_to_dict(result: SearchResult) -> dict[str, Any]:
@@ -401,6 +393,65 @@ class LengthTable:
             f" {len(result.trials)} trials"
             for length, result in zip(self.lengths, self.results, strict=True)
         ]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class ThroughputPoint:
+    """One candidate size: its median step time and samples/second (None when it ran out of
+    memory, with the kind of error)."""
+
+    size: int
+    samples_per_s: float | None
+    seconds: float | None
+    error: str | None = None
+
+    def __str__(self) -> str:
+        if self.samples_per_s is None or self.seconds is None:
+            return f"batch {self.size:>6}: OOM ({self.error})"
+        return (
+            f"batch {self.size:>6}: {self.samples_per_s:,.1f} samples/s "
+            f"(median step {self.seconds * 1e3:.2f} ms)"
+        )
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    """What :func:`~autobatch.find_best_batch` measured.
+
+    ``batch_size`` is the smallest size whose throughput is within ``tolerance`` of the best
+    (``best_samples_per_s``, at ``fastest_batch_size``); ``points`` is the whole curve in size
+    order; ``max_batch_size`` is the largest size considered; ``search`` the search that found
+    it, when one ran.
+    """
+
+    batch_size: int
+    samples_per_s: float
+    fastest_batch_size: int
+    best_samples_per_s: float
+    max_batch_size: int
+    tolerance: float
+    points: tuple[ThroughputPoint, ...]
+    device: str
+    train: bool
+    repeats: int
+    warmup: int
+    search: SearchResult | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def __repr__(self) -> str:
+        lines = [
+            f"ThroughputResult(batch_size={self.batch_size}, "
+            f"samples_per_s={self.samples_per_s:,.1f}, "
+            f"fastest_batch_size={self.fastest_batch_size}, "
+            f"best_samples_per_s={self.best_samples_per_s:,.1f}, "
+            f"max_batch_size={self.max_batch_size}, tolerance={self.tolerance:g}, "
+            f"device={self.device!r})"
+        ]
+        lines += [f"  {point}" for point in self.points]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 

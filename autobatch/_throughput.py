@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -21,7 +21,7 @@ from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_fo
 from autobatch._errors import BatchSizeError
 from autobatch._finder import search_batch_size
 from autobatch._log import get_logger
-from autobatch._result import SearchResult
+from autobatch._result import SearchResult, ThroughputPoint, ThroughputResult
 from autobatch._trial import attempt, prepared
 from autobatch._validate import check_fraction, check_int, check_module
 from autobatch._workload import (
@@ -39,75 +39,6 @@ logger = get_logger("throughput")
 
 #: Default tolerance: the chosen size is the smallest within 2% of the best samples/second.
 DEFAULT_TOLERANCE = 0.02
-
-
-@dataclass(frozen=True)
-class ThroughputPoint:
-    """One candidate size: its median step time and samples/second (None when it ran out of
-    memory, with the kind of error)."""
-
-    size: int
-    samples_per_s: float | None
-    seconds: float | None
-    error: str | None = None
-
-    def __str__(self) -> str:
-        if self.samples_per_s is None or self.seconds is None:
-            return f"batch {self.size:>6}: OOM ({self.error})"
-        return (
-            f"batch {self.size:>6}: {self.samples_per_s:,.1f} samples/s "
-            f"(median step {self.seconds * 1e3:.2f} ms)"
-        )
-
-
-@dataclass(frozen=True)
-class ThroughputResult:
-    """What :func:`find_best_batch` measured.
-
-    ``batch_size`` is the smallest size whose throughput is within ``tolerance`` of the best
-    (``best_samples_per_s``, at ``fastest_batch_size``); ``points`` is the whole curve in size
-    order; ``max_batch_size`` is the largest size considered; ``search`` the search that found
-    it, when one ran.
-    """
-
-    batch_size: int
-    samples_per_s: float
-    fastest_batch_size: int
-    best_samples_per_s: float
-    max_batch_size: int
-    tolerance: float
-    points: tuple[ThroughputPoint, ...]
-    device: str
-    train: bool
-    repeats: int
-    warmup: int
-    search: SearchResult | None = None
-    notes: tuple[str, ...] = field(default=())
-
-    def __repr__(self) -> str:
-        lines = [
-            f"ThroughputResult(batch_size={self.batch_size}, "
-            f"samples_per_s={self.samples_per_s:,.1f}, "
-            f"fastest_batch_size={self.fastest_batch_size}, "
-            f"best_samples_per_s={self.best_samples_per_s:,.1f}, "
-            f"max_batch_size={self.max_batch_size}, tolerance={self.tolerance:g}, "
-            f"device={self.device!r})"
-        ]
-        lines += [f"  {point}" for point in self.points]
-        lines += [f"  note: {note}" for note in self.notes]
-        return "\n".join(lines)
-
-    __str__ = __repr__
-
-    def plot(self, path: str | None = None) -> Any:
-        """Samples/second against batch size, with the tolerance band and the chosen size.
-
-        Needs matplotlib (``pip install 'torch-autobatch[plot]'``). Saves to ``path`` when
-        given; returns the matplotlib figure.
-        """
-        from autobatch._plot import plot_throughput
-
-        return plot_throughput(self, path)
 
 
 def default_candidates(max_batch: int, *, min_batch: int = 1, multiple_of: int = 1) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _batch
 from autobatch._backends import DeviceLike, resolve_device
@@ -357,16 +358,102 @@ def model_device(model: nn.Module, device: DeviceLike) -> torch.device:
     return resolve_device(devices.pop()) if devices else resolve_device(None)
 
 
+def is_row_list(sample: object) -> bool:
+    """Whether ``sample`` is a list of per-row examples rather than one batch: a non-empty list
+    of mappings with the same keys, or of tuples of one type and length (what
+    ``[dataset[i] for i in range(n)]`` gives). A batch made of several parts is a tuple of them,
+    or a list of tensors."""
+    if not isinstance(sample, list) or isinstance(sample, _batch.PerBatchList) or not sample:
+        return False
+    first = sample[0]
+    if isinstance(first, Mapping):
+        keys = set(first)
+        return all(isinstance(row, Mapping) and set(row) == keys for row in sample)
+    if isinstance(first, tuple) and not isinstance(first, _batch.PerBatchTuple):
+        return all(type(row) is type(first) and len(row) == len(first) for row in sample)
+    return False
+
+
+def collated(sample: Batch, *, on_host: bool = False) -> Batch:
+    """The sample as one batch: a list of per-row examples (see :func:`is_row_list`) collated
+    as ``torch.utils.data.default_collate`` collates them; any other sample unchanged.
+
+    ``on_host=True`` collates where no dispatch mode sees it, so that a simulated GPU does not
+    count it: for a sample given once, which stays on the host while the batches cut from it
+    go to the device (a batch that a function returned is the batch, and counts).
+
+    >>> rows = [{"x": torch.zeros(3), "label": 1}, {"x": torch.ones(3), "label": 0}]
+    >>> batch = collated(rows)
+    >>> batch["x"].shape, batch["label"]
+    (torch.Size([2, 3]), tensor([1, 0]))
+    >>> collated([(torch.zeros(2), 7)] * 4)[0].shape
+    torch.Size([4, 2])
+
+    Raises:
+        TypeError: the rows cannot be collated into the batch they stand for: a field is a
+            Python list of numbers (``default_collate`` would make one tensor per position),
+            or the rows' tensors differ in shape (they need padding), or a field is something
+            ``default_collate`` does not take.
+    """
+    if not is_row_list(sample):
+        return sample
+    rows = f"sample is a list of {len(sample)} per-row examples ({_batch.describe(sample[0])} each)"
+    for row in sample:
+        field = _number_list(row, "row")
+        if field is not None:
+            raise TypeError(
+                f"{rows}, and {field} is a Python list of numbers: collated the way "
+                "torch.utils.data.default_collate does, it would become one tensor per position. "
+                "Make the rows' fields tensors (a Hugging Face dataset: "
+                "dataset.with_format('torch')), or pass one batch made by your data collator"
+            )
+    from torch.utils.data import default_collate
+
+    try:
+        with _disable_current_modes() if on_host else contextlib.nullcontext():
+            return default_collate(sample)
+    except (RuntimeError, TypeError) as error:
+        why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TypeError(
+            f"{rows} that cannot be collated into one batch ({why}). Rows whose tensors differ "
+            "in shape need padding: pass one batch made by your data collator (padded to the "
+            "longest row, the worst case), or a function n -> batch"
+        ) from None
+
+
+def _number_list(row: object, path: str) -> str | None:
+    """The path of the first field of ``row`` that is a non-empty Python list of numbers."""
+    if isinstance(row, Mapping):
+        fields = [(f"{path}[{key!r}]", value) for key, value in row.items()]
+    elif isinstance(row, (list, tuple)):
+        fields = [(f"{path}[{i}]", value) for i, value in enumerate(row)]
+    else:
+        return None
+    for where, value in fields:
+        if (
+            isinstance(value, (list, tuple)) and value
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        ):
+            return where
+        found = _number_list(value, where)
+        if found is not None:
+            return found
+    return None
+
+
 def batch_factory(sample: Sample, device: torch.device) -> Callable[[int], Batch]:
+    """``n -> batch`` on ``device``: the sample's rows cycled to ``n`` (a list of per-row
+    examples collated first), or the sample's own function called, its batch checked."""
     if is_sample_factory(sample):
         def from_callable(n: int) -> Batch:
-            batch = sample(n)
+            batch = collated(sample(n))
             got = _batch.batch_size(batch)
             if got != n:
                 raise ValueError(f"sample({n}) returned a batch of {got} rows, expected {n}")
             return _batch.move_batch(batch, device)
 
         return from_callable
+    sample = collated(sample, on_host=True)
     rows = _batch.batch_size(sample)  # validates shapes, names them when inconsistent
     if rows < 1:
         raise ValueError("sample has no rows; give at least one example along dimension 0")

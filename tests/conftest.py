@@ -1,9 +1,20 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+
+# One intra-op thread for the whole run, and for the processes the tests start (the command
+# line, torchrun, spawned ranks): the models are tiny, and several threads per process spin
+# and fight over the cores, which costs several times the CPU on a small shared machine
+# (a caching-allocator search: 23 s of CPU with two threads, 6 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 import torch
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

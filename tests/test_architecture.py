@@ -46,22 +46,14 @@ def _top(name: str) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """The ``autobatch`` modules a file imports, lazily too, outside ``if TYPE_CHECKING:``."""
+    """The ``autobatch`` modules a file imports: at the top, inside functions (lazily) and
+    under ``if TYPE_CHECKING:`` alike, since a reader sees each as a dependency."""
     tree = ast.parse(path.read_text())
-    typing_only = {
-        id(node)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-        for child in block.body
-        for node in ast.walk(child)
-    }
     package = _module(path)
     if path.name != "__init__.py":
         package = package.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("autobatch")}
         elif isinstance(node, ast.ImportFrom):
@@ -93,22 +85,70 @@ def test_no_import_from_a_higher_layer(module: str) -> None:
     assert not upward, f"{module} (layer {mine}) imports {upward} from above"
 
 
-def test_no_import_loop() -> None:
-    modules = {m: {d for d in deps if d in GRAPH} for m, deps in GRAPH.items()}
-    state: dict[str, int] = {}
+def _loops(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The import loops of ``graph``: its strongly connected components of more than one
+    module (Tarjan's algorithm), each a set of modules that import each other in a circle."""
+    modules = {m: sorted(d for d in deps if d in graph) for m, deps in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    loops: list[set[str]] = []
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
         for dep in modules[node]:
-            if state.get(dep) == 1:
-                raise AssertionError(f"import loop: {' -> '.join([*path, node, dep])}")
-            if dep not in state:
-                visit(dep, [*path, node])
-        state[node] = 2
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                loops.append(component)
 
-    for module in modules:
-        if module not in state:
-            visit(module, [])
+    for module in sorted(modules):
+        if module not in index:
+            visit(module)
+    return loops
+
+
+#: The allocator model and its counters import each other (the counters name the allocator's
+#: type, under ``if TYPE_CHECKING:``). Putting them in one place is done on the branch that
+#: rewrites the allocator; until it is merged this one loop is expected (see the xfail below).
+KNOWN_LOOP = {"autobatch.testing._allocator", "autobatch.testing._segments"}
+
+
+def test_loops_are_found_through_lazy_and_type_only_imports() -> None:
+    assert _loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert _loops({"a": {"b"}, "b": set()}) == []
+    lazy = ROOT / "_finder.py"  # imports the planner inside a function
+    assert "autobatch._planner" in _imports(lazy)
+    typed = ROOT / "_cache.py"  # names SearchResult under if TYPE_CHECKING:
+    assert "autobatch._result" in _imports(typed)
+
+
+def test_no_import_loop() -> None:
+    loops = [loop for loop in _loops(GRAPH) if loop != KNOWN_LOOP]
+    assert not loops, "import loops: " + "; ".join(" <-> ".join(sorted(m)) for m in loops)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="testing/_allocator <-> testing/_segments: one module after the allocator's rewrite "
+    "is merged; then remove this marker and KNOWN_LOOP",
+)
+def test_no_import_loop_in_the_allocator_model() -> None:
+    assert KNOWN_LOOP not in _loops(GRAPH)
 
 
 def test_recovery_engine_imports_none_of_its_front_ends() -> None:

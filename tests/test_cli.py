@@ -35,6 +35,14 @@ MODELS = textwrap.dedent(
         return torch.randn(1, 512)
 
 
+    def four_rows():
+        return torch.randn(4, 512), torch.randint(0, 10, (4,))
+
+
+    def row_list():  # [dataset[i] for i in range(4)] of a (features, label) dataset
+        return [(torch.randn(512), i % 10) for i in range(4)]
+
+
     def conv():
         return nn.Conv2d(3, 8, 3)
 
@@ -226,6 +234,21 @@ def test_find_with_a_sample_factory_and_options(
     assert document["batch_size"] == document["max_batch_size"]
 
 
+def test_find_with_a_list_of_rows_as_sample(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    found = []
+    for sample in ("tinymodels:row_list", "tinymodels:four_rows"):
+        assert main(
+            ["find", "--model", "tinymodels:mlp", "--sample", sample, "--simulate", "2MiB",
+             "--optimizer", "sgd", "--max-batch", "4096", "--json", "--no-cache"]
+        ) == 0
+        document = json.loads(capsys.readouterr().out)
+        found.append((document["max_batch_size"], [t["size"] for t in document["trials"]]))
+    assert found[0] == found[1]  # the rows collated: the same batch as the tensors'
+
+
 # --------------------------------------------------------------------------- best and plan
 
 
@@ -250,10 +273,12 @@ def test_best(workdir: Path, monkeypatch: pytest.MonkeyPatch,
     assert document["samples_per_s"] >= (1 - document["tolerance"]) * document["best_samples_per_s"]
 
 
-def test_plan(workdir: Path) -> None:
-    result = run(workdir, "plan", *MLP, "--capacity", "2MiB", "--json")
-    assert result.returncode == 0, result.stderr
-    document = json.loads(result.stdout)
+def test_plan(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(workdir))
+    assert main(["plan", *MLP, "--capacity", "2MiB", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
     assert document["command"] == "plan"
     assert document["batch_size"] <= document["max_batch_size"]
     assert document["capacity_bytes"] == 2 * 2**20

@@ -788,3 +788,34 @@ def test_under_the_caching_allocator_the_recommended_size_trains_on(name: str) -
         for _ in range(20):  # the size recommended trains on, step after step
             _train_step(model, opt, x, y)
         assert gpu.oom_count == sum(not t.fits for t in result.trials)
+
+
+# find_max_batch's signature ------------------------------------------------------------------
+
+
+def test_find_max_batch_shows_search_batch_sizes_parameters() -> None:
+    import inspect
+    import pydoc
+
+    own, search = inspect.signature(find_max_batch), inspect.signature(search_batch_size)
+    assert own.parameters == search.parameters  # names, kinds, annotations and defaults
+    assert own.return_annotation == "int"
+    text = pydoc.render_doc(find_max_batch, renderer=pydoc.plaintext)
+    assert "find_max_batch(model: 'nn.Module', sample: 'Sample', optimizer: " in text
+    for name, parameter in search.parameters.items():
+        assert str(parameter) in text, name  # e.g. "headroom: 'float' = 0.05"
+    assert "headroom: 'float' = 0.05" in text
+    assert text.count("-> 'int'") == 1
+    assert "*args" not in text
+
+
+def test_type_checkers_see_the_parameters() -> None:
+    """mypy checks tests/typecheck_signatures.py with the package (tests/test_project.py runs
+    it): calls with a wrong or unknown option must be errors there."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    assert '"tests/typecheck_signatures.py"' in (root / "pyproject.toml").read_text()
+    assert "max_bach=8)  # type: ignore[call-arg]" in (
+        root / "tests" / "typecheck_signatures.py"
+    ).read_text()

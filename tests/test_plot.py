@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from autobatch import SearchResult, search_batch_size
+import autobatch._plot
+from autobatch import SearchResult, plot, search_batch_size
 from autobatch._plot import DPI, FIGSIZE, plot_search, plot_throughput
+from autobatch._result import ThroughputPoint, ThroughputResult
 from autobatch._search import Trial
-from autobatch._throughput import ThroughputPoint, ThroughputResult
 from autobatch.testing import SimulatedGPU
 
 pytest.importorskip("matplotlib", reason="plots need the [plot] extra (matplotlib)")
@@ -45,7 +46,7 @@ def search() -> SearchResult:
 
 def test_search_plot_is_a_png_of_the_stated_size(search: SearchResult, tmp_path: Path) -> None:
     path = tmp_path / "search.png"
-    figure = search.plot(str(path))
+    figure = plot(search, str(path))
     assert png_size(path) == (WIDTH, HEIGHT) == (800, 500)
     axes = figure.axes[0]
     assert axes.get_xlabel() == "batch size"
@@ -86,7 +87,7 @@ def test_throughput_plot(tmp_path: Path) -> None:
         max_batch_size=64, tolerance=0.02, points=points, device="cuda:0", train=True,
         repeats=5, warmup=2,
     )
-    figure = result.plot(str(tmp_path / "best.png"))
+    figure = plot(result, str(tmp_path / "best.png"))
     assert png_size(tmp_path / "best.png") == (WIDTH, HEIGHT)
     axes = figure.axes[0]
     assert axes.get_xscale() == "log"
@@ -101,7 +102,7 @@ def test_plotting_leaves_the_matplotlib_backend_alone(search: SearchResult, tmp_
     import matplotlib
 
     before = matplotlib.rcParams["backend"]
-    search.plot(str(tmp_path / "x.png"))
+    plot(search, tmp_path / "x.png")
     assert matplotlib.rcParams["backend"] == before
 
 
@@ -110,4 +111,17 @@ def test_missing_matplotlib_is_a_clear_error(
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'torch-autobatch\[plot\]'"):
-        search.plot()
+        plot(search)
+
+
+def test_plot_refuses_what_it_cannot_draw() -> None:
+    with pytest.raises(TypeError, match=r"a SearchResult or a ThroughputResult\), got dict"):
+        plot({"batch_size": 8})  # type: ignore[arg-type]
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    result = doctest.testmod(autobatch._plot)
+    assert result.attempted > 0
+    assert result.failed == 0

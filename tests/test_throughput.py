@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 import pytest
@@ -11,7 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from autobatch import BatchSizeError
-from autobatch._throughput import ThroughputPoint, _choose, default_candidates, find_best_batch
+from autobatch._result import ThroughputPoint
+from autobatch._throughput import _choose, default_candidates, find_best_batch
 from autobatch.testing import SimulatedGPU, SimulatedMemory
 
 
@@ -92,12 +92,25 @@ def test_nothing_timed_is_a_batch_size_error() -> None:
 # --------------------------------------------------------------------------- real timing
 
 
-def test_picks_where_the_curve_saturates() -> None:
+class _Clock:
+    """A clock that only the step moves: the timer reads it as ``time.perf_counter``, so the
+    curve is exact whatever else runs on the machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_picks_where_the_curve_saturates(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step whose time is flat up to 16 rows and linear after: 16 is the smallest size within
-    the tolerance of the best samples/second (sleep stands in for a saturated device)."""
+    the tolerance of the best samples/second (a saturated device)."""
+    clock = _Clock()
+    monkeypatch.setattr("autobatch._throughput.time", clock)
 
     def step(model: nn.Module, batch: Any) -> None:
-        time.sleep(0.01 * max(1.0, len(batch[0]) / 16))
+        clock.now += 0.01 * max(1.0, len(batch[0]) / 16)
 
     with SimulatedGPU("8MiB"):
         result = find_best_batch(

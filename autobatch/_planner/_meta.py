@@ -32,6 +32,7 @@ from autobatch._workload import (
     OptimizerLike,
     Sample,
     StepFn,
+    collated,
     is_compiled,
     make_optimizer,
     make_step,
@@ -240,7 +241,7 @@ def _template(sample: Sample) -> tuple[Batch, str | None]:
     """The sample as meta tensors (no data read); a callable sample is called for one row."""
     note = None
     if is_sample_factory(sample):
-        sample = sample(1)
+        sample = collated(sample(1))
         got = _batch.batch_size(sample)
         if got != 1:
             raise ValueError(f"sample(1) returned a batch of {got} rows, expected 1")
@@ -426,7 +427,7 @@ class _MetaSetup:
             return _grow(self.template, n)
         sample = self.sample
         if is_sample_factory(sample):
-            made = sample(n)
+            made = collated(sample(n))
             if _batch.batch_size(made) != n:
                 raise ValueError(f"sample({n}) returned a batch of another size")
             return _batch.move_batch(made, "cpu")

@@ -38,6 +38,7 @@ from autobatch._workload import (
     Sample,
     SearchSpec,
     StepFn,
+    collated,
 )
 
 logger = get_logger("planner")
@@ -138,6 +139,7 @@ def plan_max_batch(
     """
     spec = SearchSpec(loss_fn, step_fn, train, min_batch, max_batch, multiple_of, headroom, 1, None)
     check_module("model", model)
+    sample = collated(sample, on_host=True)  # a list of per-row examples: one batch
     if not isinstance(device_type, str) or not device_type:
         raise ValueError(f"device_type must be a device type such as 'cuda', got {device_type!r}")
     capacity_bytes = parse_bytes(capacity)

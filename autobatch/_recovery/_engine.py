@@ -24,7 +24,7 @@ from autobatch._batch import (
     tensors,
 )
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._log import get_logger
+from autobatch._log import get_logger, user_name
 from autobatch._measure import PeakKeeping, _PhasePeaks
 from autobatch._oom import is_oom_error, oom_kind
 from autobatch._recovery._accumulate import _Accumulation, _reset_scaler
@@ -84,7 +84,7 @@ class _Engine:
     def __init__(self, fn: Callable[..., Any], options: RecoveryOptions) -> None:
         self.fn = fn
         self.options = options
-        self.name = getattr(fn, "__qualname__", repr(fn))
+        self.name = user_name(fn)
         self.policy: Policy = cast(Policy, options.policy)
         self.optimizers = options.optimizers
         self.schedulers = options.schedulers

@@ -21,8 +21,9 @@ from autobatch._cache import ResultCache, cached_search, open_cache, search_key
 from autobatch._errors import BatchSizeError
 from autobatch._finder import search_batch_size
 from autobatch._lengths import search_batch_sizes
-from autobatch._result import SearchResult, result_to_dict
-from autobatch._throughput import ThroughputResult, _check, find_best_batch
+from autobatch._plot import plot
+from autobatch._result import SearchResult, ThroughputResult, result_to_dict
+from autobatch._throughput import _check, find_best_batch
 from autobatch._units import format_bytes, parse_bytes
 from autobatch._validate import check_search_options
 from autobatch.cli._inputs import (
@@ -132,7 +133,7 @@ def _header(setup: _Setup, target: _Target, what: str, stream: TextIO) -> None:
 
 def _plot(result: SearchResult | ThroughputResult, path: str | None, stream: TextIO) -> None:
     if path:
-        result.plot(path)
+        plot(result, path)
         print(f"plot saved to {path}", file=stream)
 
 

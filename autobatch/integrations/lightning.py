@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
+from autobatch._log import get_logger, named_after
 from autobatch._recovery._results import _combine
 from autobatch.integrations import _common
 
@@ -64,6 +64,7 @@ try:  # the unified package first, the standalone one where it is the only one i
     )
     from lightning.pytorch.strategies import ParallelStrategy
     from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError:  # pragma: no cover - exercised only without the unified package
     import pytorch_lightning as pl
@@ -75,11 +76,19 @@ except ImportError:  # pragma: no cover - exercised only without the unified pac
     )
     from pytorch_lightning.strategies import ParallelStrategy
     from pytorch_lightning.utilities.parsing import lightning_hasattr, lightning_setattr
+    from pytorch_lightning.utilities.rank_zero import rank_zero_only
     from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
 
 __all__ = ["AutobatchCallback"]
 
-logger = logging.getLogger("autobatch.integrations.lightning")
+logger = get_logger("integrations.lightning")
+
+
+@rank_zero_only  # type: ignore[untyped-decorator]
+def _announce(message: str, *args: Any) -> None:
+    """What the callback chose, on Lightning's global rank 0 only (as its own rank-zero
+    messages): a WARNING of the ``autobatch`` logger, shown with no logging set up."""
+    logger.warning(message, *args)
 
 #: The precision plugins whose backward is a plain ``module.backward(loss)`` (with GradScaler's
 #: ``scale`` first under ``16-mixed``): the guard can run that backward per micro-batch itself.
@@ -100,6 +109,9 @@ class AutobatchCallback(pl.Callback):  # type: ignore[misc]
     statistics (:class:`autobatch.RecoveryStats`). Both are logged as metrics through the
     trainer's loggers: ``autobatch/batch_size`` and ``autobatch/max_batch_size`` once, and
     ``autobatch/ooms`` and ``autobatch/micro_batch_size`` after each batch that recovered.
+    The size set, and each recovered OOM (naming the module's ``training_step``), are also
+    WARNINGs of the ``autobatch`` logger, shown once on Lightning's global rank 0 with no
+    logging set up (``docs/logging.md``).
 
     Args:
         find: search the batch size at the start of ``fit`` and set it.
@@ -252,9 +264,10 @@ class AutobatchCallback(pl.Callback):  # type: ignore[misc]
         loop = trainer.fit_loop
         if getattr(loop, "_combined_loader", None) is not None:
             loop._combined_loader = None  # built already: rebuilt with the new size
-        logger.info(
-            "batch size %d set in %r (largest that fits: %d, %d trials)",
-            self.batch_size, self.batch_arg, self.result.max_batch_size, len(self.result.trials),
+        _announce(
+            "AutobatchCallback set the batch size to %d in %r (the largest that fits is %d; "
+            "%d trials on %s)", self.batch_size, self.batch_arg, self.result.max_batch_size,
+            len(self.result.trials), self.result.device,
         )
         _log_metrics(trainer, {
             "autobatch/batch_size": float(self.batch_size),
@@ -463,6 +476,10 @@ class _Guard:
         self.reduction = callback.reduction
         self.items = callback.items
         self.skip_zero: _common.Patch | None = None
+
+        def piece(batch: Any, *args: Any, **kwargs: Any) -> _Piece:
+            return self._piece(batch, *args, **kwargs)
+
         self.step = retry_on_oom(
             policy="accumulate",
             model=module,
@@ -470,7 +487,7 @@ class _Guard:
             items=self.items if self.reduction == "mean" else None,
             min_batch=callback.min_batch,
             device=module.device,
-        )(self._piece)
+        )(named_after(piece, self.original))  # messages name the module's training_step
 
         @functools.wraps(self.original)  # Lightning reads the signature (is batch_idx taken?)
         def training_step(*args: Any, **kwargs: Any) -> Any:

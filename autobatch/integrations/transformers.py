@@ -14,8 +14,10 @@ survive OOM.
   checkpointing where ``args`` turn it on), clipping and its optimizer (created with ``create_optimizer()`` when the
   trainer has none yet, and dropped again, so that ``train()`` creates it as before), on the
   first rows of the training dataset collated by the trainer's data collator; the recommended
-  size is set as ``args.per_device_train_batch_size``. Weights, optimizer state, gradients and
-  random streams are left as they were. ``search_result(trainer)`` returns the record.
+  size is set as ``args.per_device_train_batch_size``, and said once, as a WARNING of the
+  ``autobatch`` logger on the main process (shown with no logging set up). Weights, optimizer
+  state, gradients and random streams are left as they were. ``search_result(trainer)``
+  returns the record.
 - ``guard``: ``trainer.training_step`` (which computes the loss and its gradients; the
   ``Trainer`` clips and steps outside it, after ``gradient_accumulation_steps`` calls) is
   replaced by one that recovers from OOM through :func:`autobatch.retry_on_oom` (a function that
@@ -25,7 +27,8 @@ survive OOM.
   passed to every micro-batch), the micro-batches' losses and gradients simply add; where the
   loss is a mean per batch, each micro-batch is weighted by its share of the batch's labels
   (``labels != -100``, shifted by one for causal language models, or ``shift_labels``; rows
-  when the batch has no labels). ``recovery_stats(trainer)`` says what happened.
+  when the batch has no labels). ``recovery_stats(trainer)`` says what happened; each
+  recovered OOM is a WARNING naming the trainer's ``training_step``.
 
 Refused with an :class:`~autobatch.AutobatchError`: several processes or devices (DDP,
 DataParallel, FSDP, DeepSpeed, SageMaker model parallelism, context or sequence parallelism),
@@ -39,7 +42,6 @@ the window's gradients aside, which is exact.
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,12 +50,13 @@ import torch
 from torch import nn
 
 from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
+from autobatch._log import get_logger, named_after
 from autobatch._recovery import RetryingStep
 from autobatch.integrations import _common
 
 __all__ = ["autobatch_trainer", "recovery_stats", "search_result"]
 
-logger = logging.getLogger("autobatch.integrations.transformers")
+logger = get_logger("integrations.transformers")
 
 _RESULTS: weakref.WeakKeyDictionary[Any, SearchResult] = weakref.WeakKeyDictionary()
 
@@ -113,10 +116,12 @@ def autobatch_trainer(
         _RESULTS[trainer] = result
         trainer.args.per_device_train_batch_size = result.batch_size
         trainer._train_batch_size = trainer.args.train_batch_size  # what train() builds with
-        logger.info(
-            "per_device_train_batch_size set to %d (largest that fits: %d, %d trials)",
-            result.batch_size, result.max_batch_size, len(result.trials),
-        )
+        if trainer.is_world_process_zero():  # as the Trainer's own messages
+            logger.warning(  # shown with no logging set up
+                "autobatch_trainer set per_device_train_batch_size to %d (the largest that fits "
+                "is %d; %d trials on %s)", result.batch_size, result.max_batch_size,
+                len(result.trials), result.device,
+            )
     if guard:
         _common.Patch(trainer, "training_step", GuardedTrainingStep(trainer, original, min_batch))
     return trainer
@@ -350,7 +355,7 @@ class GuardedTrainingStep:
                 batch_arg="inputs",
                 min_batch=self.min_batch,
                 device=trainer.args.device,
-            )(training_step)
+            )(named_after(training_step, original))  # messages name the trainer's own step
             self._steps[reduction] = step
         return step
 
