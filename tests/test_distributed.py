@@ -543,3 +543,74 @@ def test_finder_on_a_ddp_model_keeps_every_rank_in_step_whatever_runs_out_where(
         assert a["leak"] == b["leak"] == 0, case
         assert a["flags"] == b["flags"] == [True, True], case
         assert a["trained"] == b["trained"], f"{case}: DDP no longer averages gradients"
+
+
+def _ddp_refusals(rank: int) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict[str, Any] = {}
+    for case in ("gradient_as_bucket_view", "static_graph", "comm hook", "sync_ranks=False"):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(
+            WORKLOADS["mlp"].model(), gradient_as_bucket_view=case == "gradient_as_bucket_view",
+            static_graph=case == "static_graph",
+        )
+        if case == "comm hook":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        try:
+            autobatch.find_max_batch(
+                model, WORKLOADS["mlp"].sample(4), torch.optim.SGD, max_batch=64,
+                loss_fn=nn.functional.cross_entropy, sync_ranks=case != "sync_ranks=False",
+            )
+        except autobatch.AutobatchError as error:
+            out[case] = str(error)
+        else:
+            out[case] = None
+    return out
+
+
+def test_ddp_setups_a_trial_would_measure_wrongly_are_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    zero, one = run_ranks(_ddp_refusals, 2, tmp_path, timeout=90)
+    assert zero == one
+    assert "gradient_as_bucket_view=True" in zero["gradient_as_bucket_view"]
+    assert "gradient_as_bucket_view=False" in zero["gradient_as_bucket_view"]  # the way out
+    assert "static_graph=True" in zero["static_graph"]
+    assert "communication hook" in zero["comm hook"]
+    assert "sync_ranks=False cannot search a model wrapped in DistributedDataParallel" in (
+        zero["sync_ranks=False"]
+    )
+
+
+def _ddp_alone(rank: int) -> dict[str, Any]:
+    sample = WORKLOADS["mlp"].sample(4)
+    with SimulatedGPU(CAPACITIES[1]):
+        model, _ = _ddp_mlp()  # DDP over a process group of one rank: its reducer runs
+        result = autobatch.search_batch_size(
+            model, sample, torch.optim.SGD, loss_fn=nn.functional.cross_entropy, headroom=0
+        )
+    n = result.max_batch_size
+    return {"n": n, "fits": _fits_alone(n), "n+1": _fits_alone(n + 1)}
+
+
+def _fits_alone(n: int) -> bool:
+    with SimulatedGPU(CAPACITIES[1]):
+        model, _ = _ddp_mlp()
+        opt = torch.optim.SGD(model.parameters())
+        try:
+            for _ in range(2):
+                x, y = WORKLOADS["mlp"].sample(n)
+                opt.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        except torch.OutOfMemoryError:
+            return False
+    return True
+
+
+def test_finder_on_a_ddp_model_of_one_rank_runs_ddp_as_it_is(tmp_path: Path) -> None:
+    (alone,) = run_ranks(_ddp_alone, 1, tmp_path, timeout=60)
+    assert alone["fits"], alone
+    assert not alone["n+1"], alone
