@@ -2,10 +2,11 @@
 
 The finder's helpers (:func:`all_max`, :func:`all_min`, :func:`failed_ranks`) are no-ops without
 an initialised process group of more than one rank; they use the default group's own backend
-(gloo on CPU tensors, nccl on the current CUDA device) between trials, never while the model's
-own collectives may be in flight. The guard's (:func:`vote`, :func:`agree_min`,
-:func:`agree_max`) run inside a training step, on a side gloo group of their own, and so do
-the votes inside the finder's trials of an FSDP2 model (:func:`trials_in_lockstep`).
+(gloo on CPU tensors, nccl on the current CUDA device) before and after the search, never while
+the model's own collectives may be in flight. The guard's (:func:`vote`, :func:`agree_min`,
+:func:`agree_max`) run inside a training step, on a side gloo group of their own, and so do the
+votes inside the finder's trials of a DDP or FSDP2 model (:func:`trials_in_lockstep`) and the
+gather that agrees on each trial (:func:`gather`).
 """
 
 from __future__ import annotations

@@ -334,6 +334,11 @@ def _agreeing(
                 f"out-of-memory during the trial at batch {size}; see that rank's traceback"
             )
         trials = [t for t in everyone if t is not None]
+        if any(t.size != size for t in trials):  # (a bug: the ranks left lockstep)
+            raise AutobatchError(
+                f"the ranks tried different batch sizes ({', '.join(str(t.size) for t in trials)}"
+                "); every rank must search the same setup (model, sample, options)"
+            )
         agreed = _agreed(mine, trials)
         records.append(agreed)
         if on_trial is not None:
