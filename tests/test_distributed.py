@@ -435,6 +435,7 @@ def test_the_steps_own_collectives_are_agreed_before_they_run(tmp_path: Path) ->
 
 # The finder under DistributedDataParallel ----------------------------------------------------
 
+# (the exact allocator: what these tests check is the ranks' lockstep, not the caching model)
 DDP_CASES = ("capacity", *PHASES)  # unequal devices; an OOM on rank 1 only, in each phase
 ROWS = 96  # where a phase's OOM starts on rank 1
 
@@ -463,7 +464,7 @@ def _ddp_capacity(case: str, rank: int) -> str:
 def _plain_ddp_loop(case: str, rank: int, n: int, steps: int = 3) -> str | None:
     """A user's own loop, fresh: DDP model and AdamW made on the simulated device of
     ``rank``'s capacity and limit, ``steps`` steps at batch ``n``; the error, if any."""
-    with SimulatedGPU(_ddp_capacity(case, rank)):
+    with SimulatedGPU(_ddp_capacity(case, rank), allocator="exact"):
         model, inner = _ddp_mlp()
         opt = torch.optim.AdamW(model.parameters())
         done = 0
@@ -486,7 +487,7 @@ def _ddp_find(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     sample = WORKLOADS["mlp"].sample(4)  # (host memory: the batches go to the device)
     for case in DDP_CASES:
-        with SimulatedGPU(_ddp_capacity(case, rank)) as gpu:
+        with SimulatedGPU(_ddp_capacity(case, rank), allocator="exact") as gpu:
             model, inner = _ddp_mlp()  # made on the device: DDP's buckets are counted
             opt = torch.optim.AdamW(model.parameters())
             x, y = WORKLOADS["mlp"].sample(4)  # a first step of training: AdamW's state,
@@ -586,7 +587,7 @@ def test_ddp_setups_a_trial_would_measure_wrongly_are_refused_on_every_rank(
 
 def _ddp_alone(rank: int) -> dict[str, Any]:
     sample = WORKLOADS["mlp"].sample(4)
-    with SimulatedGPU(CAPACITIES[1]):
+    with SimulatedGPU(CAPACITIES[1], allocator="exact"):
         model, _ = _ddp_mlp()  # DDP over a process group of one rank: its reducer runs
         result = autobatch.search_batch_size(
             model, sample, torch.optim.SGD, loss_fn=nn.functional.cross_entropy, headroom=0
@@ -596,7 +597,7 @@ def _ddp_alone(rank: int) -> dict[str, Any]:
 
 
 def _fits_alone(n: int) -> bool:
-    with SimulatedGPU(CAPACITIES[1]):
+    with SimulatedGPU(CAPACITIES[1], allocator="exact"):
         model, _ = _ddp_mlp()
         opt = torch.optim.SGD(model.parameters())
         try:

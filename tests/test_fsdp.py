@@ -235,7 +235,7 @@ def _fresh(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def _plain_loop(rank: int, phase: str, n: int) -> str | None:
     """A user's own loop on ``rank``'s limits, fresh: 2 steps at batch ``n``; the error."""
     model, opt = _fresh(rank)
-    with SimulatedGPU(CAPACITIES[0]) as gpu:
+    with SimulatedGPU(CAPACITIES[0], allocator="exact") as gpu:
         gpu.adopt(model, opt)
         try:
             with _fault(rank, phase, model):
@@ -251,7 +251,7 @@ def _find_with_a_fault(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for phase in PHASES:
         model, opt = _fresh(rank)
-        with SimulatedGPU(CAPACITIES[0]) as gpu:
+        with SimulatedGPU(CAPACITIES[0], allocator="exact") as gpu:
             gpu.adopt(model, opt)
             with _fault(rank, phase, model) as fired:
                 result = autobatch.search_batch_size(
