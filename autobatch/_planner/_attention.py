@@ -40,19 +40,14 @@ _DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": F
 
 class FusedAttention(TorchFunctionMode):
     """While active, ``scaled_dot_product_attention`` on ``meta`` tensors runs what the CPU
-    runs for it when ``device_type`` is ``"cpu"`` (see the module's docstring); ``fused`` says
-    whether a call took the fused kernel."""
-
-    def __init__(self, device_type: str) -> None:
-        super().__init__()
-        self.device_type = device_type
-        self.fused = False
+    runs for it (see the module's docstring). For planning the CPU only: other devices keep
+    the math path."""
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or self.device_type != "cpu":
+        if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         call = {**_DEFAULTS, **dict(zip(_NAMES, args, strict=False)), **kwargs}
         tensors = [call["query"], call["key"], call["value"], call["attn_mask"]]
@@ -68,7 +63,6 @@ class FusedAttention(TorchFunctionMode):
                 f"on the CPU, torch {torch.__version__} runs fused attention with operators the "
                 f"planner does not replay on meta ({problem})"
             )
-        self.fused = True
         query = call["query"]
         if kind == "bool":  # the CPU's conversion of a boolean mask: 0 where kept, -inf elsewhere
             mask = torch.where(

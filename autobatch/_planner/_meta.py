@@ -330,7 +330,9 @@ class _MetaSetup:
         )
         self.ledger = _PlanLedger(block_bytes, frozenset({"cpu"} if real else {"meta", device_type}))
         self.mode = _PlanMode(self.ledger, real=real)
-        self.attention = FusedAttention(device_type)  # (on meta tensors only)
+        self.attention: contextlib.AbstractContextManager[Any] = (  # (on meta tensors only)
+            FusedAttention() if device_type == "cpu" else contextlib.nullcontext()
+        )
         self.mode.known = {
             _storage_key(copied.untyped_storage()) for copied in memo.values()
             if isinstance(copied, torch.Tensor) and copied.layout is torch.strided
