@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 DeviceLike = torch.device | str | int | None
 
@@ -316,6 +317,54 @@ class CpuMemory(DeviceMemory):
 
     def free_bytes(self) -> int:
         return _system_memory()[1]
+
+    def empty_cache(self) -> None:
+        """Nothing is cached, but a backward that raised on this thread may have left tensors
+        queued in autograd (see :class:`BackwardLeftovers`): they go."""
+        BackwardLeftovers().release()
+
+
+_GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """Whether autograd runs a backward on this thread: one of its nodes, or the final
+    callbacks after them."""
+    if _GRAPH_TASK_ID is not None:
+        return _GRAPH_TASK_ID() != -1
+    return torch._C._current_autograd_node() is not None
+
+
+class BackwardLeftovers:
+    """What autograd keeps on this thread of a backward that raised, and its release.
+
+    torch runs the backward of CPU tensors on the thread that called it: that thread pops the
+    graph's ready nodes from its own queue (thread-local, ``local_ready_queue`` in
+    ``torch/csrc/autograd/engine.cpp``) until the graph is done. When a node raises, the loop
+    ends at once and the nodes that were ready beside it stay queued, each with its saved
+    tensors and the gradients sent to it, until a later backward on the thread pops them (a
+    task of a graph that has ended comes first there, ``NodeTask::getReentrantDepth``). A
+    graph whose branches run side by side (a mixture of experts, several heads) can leave most
+    of its activations behind. A GPU's nodes run on that device's autograd thread instead,
+    which goes on popping and drops them before ``backward()`` raises.
+
+    :meth:`release` runs the backward of one multiplication, built here, which pops them first.
+    Make it where autograd records a graph: inside a dispatch mode's handler it does not, and
+    :meth:`release` then does nothing.
+    """
+
+    def __init__(self) -> None:
+        with torch.enable_grad(), torch.inference_mode(False), _disable_current_modes():
+            self._leaf = torch.zeros((), requires_grad=True)
+            self._root = self._leaf * 1.0
+
+    def release(self) -> None:
+        """Drop what a backward that raised left queued on the calling thread; nothing while a
+        backward runs on it (its queue then holds that backward's own work)."""
+        if self._root.grad_fn is None or in_backward():
+            return
+        with _disable_current_modes():
+            torch.autograd.grad(self._root, self._leaf, retain_graph=True)
 
 
 def _system_memory() -> tuple[int, int]:

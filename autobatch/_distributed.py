@@ -2,22 +2,26 @@
 
 The finder's helpers (:func:`all_max`, :func:`all_min`, :func:`failed_ranks`) are no-ops without
 an initialised process group of more than one rank; they use the default group's own backend
-(gloo on CPU tensors, nccl on the current CUDA device) between trials, never while the model's
-own collectives may be in flight. The guard's (:func:`vote`, :func:`agree_min`,
-:func:`agree_max`) run inside a training step, on a side gloo group of their own, and so do
-the votes inside the finder's trials of an FSDP2 model (:func:`trials_in_lockstep`).
+(gloo on CPU tensors, nccl on the current CUDA device) before and after the search, never while
+the model's own collectives may be in flight. The guard's (:func:`vote`, :func:`agree_min`,
+:func:`agree_max`) run inside a training step, on a side gloo group of their own, and so do the
+votes inside the finder's trials of a DDP or FSDP2 model (:func:`trials_in_lockstep`) and the
+gather that agrees on each trial (:func:`gather`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _fsdp
@@ -134,6 +138,14 @@ def vote(code: int, flag: bool = False) -> tuple[list[int], bool]:
             f"the process group's timeout ({error}); a rank is stuck or has died"
         ) from error
     return agreed[:world], bool(agreed[world])
+
+
+def gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` (any picklable object), by rank, on the side group."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    with _disable_current_modes():
+        dist.all_gather_object(gathered, value, group=side_group())
+    return gathered
 
 
 def agree_max(values: list[int]) -> list[int]:
@@ -256,7 +268,7 @@ class CollectiveGate(DispatchMode):
         return func(*args, **kwargs)
 
 
-# The finder's trials of a sharded (FSDP2) model ----------------------------------------------
+# The finder's trials under DDP and FSDP2 -------------------------------------------------------
 
 
 class PeerOutOfMemory(AutobatchError, torch.OutOfMemoryError):
@@ -266,7 +278,11 @@ class PeerOutOfMemory(AutobatchError, torch.OutOfMemoryError):
     it."""
 
 
-class _Verdict(Protocol):
+#: The failure a rank records for a trial that another rank's OOM stopped.
+PEER = "oom on another rank"
+
+
+class _Verdict(Protocol):  # (a dataclass: Trial)
     @property
     def fits(self) -> bool: ...
 
@@ -274,51 +290,142 @@ class _Verdict(Protocol):
 V = TypeVar("V", bound=_Verdict)
 
 
+def _replica_problem(module: DistributedDataParallel) -> str | None:
+    """What in a ``DistributedDataParallel`` module's setup the finder's trials, whose
+    backward leaves DDP's reducer out, would measure differently from a step that reduces, or
+    ``None``."""
+    name = type(module).__name__
+    logged: dict[str, Any] = {}
+    with contextlib.suppress(Exception):  # (DDP's own record of its setup; absent on some torch)
+        logged = dict(module._get_ddp_logging_data())
+    hooks = getattr(module, "_comm_hooks", None) or logged.get("comm_hook")
+    if hooks:
+        return (
+            f"this {name} module has a communication hook, whose buffers (e.g. compressed "
+            "gradients) a trial cannot measure without running DDP's reduction; search the "
+            "model before registering the hook, and leave headroom for the hook's buffers"
+        )
+    if getattr(module, "gradient_as_bucket_view", False):
+        return (
+            f"this {name} module has gradient_as_bucket_view=True, whose gradients DDP's "
+            "reduction keeps in its buckets: a trial, which cannot run that reduction, would "
+            "count every gradient twice and find a batch too small. Search a copy made with "
+            "gradient_as_bucket_view=False: its batch also fits with True, which holds one "
+            "copy of the gradients less"
+        )
+    if getattr(module, "static_graph", False):
+        return (
+            f"this {name} module has static_graph=True, under which DDP reduces some "
+            "gradients in a callback after backward that a trial cannot leave out; search "
+            "the model wrapped without static_graph (the memory is the same)"
+        )
+    if hasattr(module, "buffer_hook"):
+        return (
+            f"this {name} module has a buffer communication hook, which a trial cannot "
+            "keep in step across ranks; search the model without it"
+        )
+    return None
+
+
+class _Reducers:
+    """The ``DistributedDataParallel`` modules of a trial, their reducer kept out of its
+    backward (as ``no_sync()`` does) and their buffers broadcast at each forward as in a step
+    that reduces; both flags put back afterwards.
+
+    A rank that ran out of memory in backward would never join DDP's next bucket all-reduce,
+    and DDP's reducer cannot be left part-way through one; leaving it out changes no memory:
+    its buckets exist already, and a step that reduces copies the gradients into them and back
+    without allocating (gradients as bucket views and communication hooks are refused, see
+    :func:`_replica_problem`).
+    """
+
+    def __init__(self, modules: list[DistributedDataParallel]) -> None:
+        self.modules = modules
+        self.flags: list[tuple[bool, bool]] = []
+        self.hooks: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.flags = [(m.require_backward_grad_sync, m.require_forward_param_sync) for m in self.modules]
+        for module, (_, forward) in zip(self.modules, self.flags, strict=True):
+            self.hooks.append(module.register_forward_pre_hook(self._before(forward)))
+
+    @staticmethod
+    def _before(forward: bool) -> Callable[[DistributedDataParallel, Any], None]:
+        def hook(module: DistributedDataParallel, args: Any) -> None:
+            module.require_backward_grad_sync = False
+            # (DDP turns this off after a forward that does not reduce: every forward of the
+            # trial broadcasts the buffers, as a step that reduces would)
+            module.require_forward_param_sync = forward
+
+        return hook
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        for module, (backward, forward) in zip(self.modules, self.flags, strict=True):
+            module.require_backward_grad_sync = backward
+            module.require_forward_param_sync = forward
+
+
 def trials_in_lockstep(
-    runner: Callable[[int], V], model: nn.Module, *, sync: bool
+    runner: Callable[[int], V], model: nn.Module, *, sync: bool, modules: Sequence[nn.Module] = ()
 ) -> Callable[[int], V]:
     """The finder's trial runner, kept in step across ranks inside each trial when ``model``
-    is sharded with FSDP2 (``runner`` itself otherwise).
+    (or one of ``modules``, those the step refers to) is wrapped in ``DistributedDataParallel``
+    or sharded with FSDP2 (``runner`` itself otherwise).
 
-    FSDP2 all-gathers parameters and reduce-scatters gradients inside the trial's step: a rank
-    that ran out of memory would never join the next one. Each trial therefore runs under a
-    :class:`CollectiveGate` whose vote (on the side group) comes before every collective of the
-    step, and ends with one vote of its own (fits, out of memory, or failed), unless a vote in
-    it already saw a failure. A rank that learns of another's OOM at a vote raises
+    Their collectives run inside the trial's step: DDP broadcasts buffers in forward, FSDP2
+    all-gathers parameters and reduce-scatters gradients, and a rank that ran out of memory
+    would never join the next one. Each trial therefore runs under a :class:`CollectiveGate`
+    whose vote (on the side group) comes before every collective of the step, and ends with one
+    vote of its own (fits, out of memory, or failed), unless a vote in it already saw a failure.
+    DDP's reducer is kept out of the trial's backward (:class:`_Reducers`), so that its bucket
+    all-reduces never start. A rank that learns of another's OOM at a vote raises
     :class:`PeerOutOfMemory` there, so its trial fails too; one that learns of another's
     non-OOM failure raises :class:`~autobatch.AutobatchError`. After a trial that did not fit,
     each FSDP root's per-iteration state is reset and unreduced gradients are dropped, so the
     next trial starts as the first did.
 
-    Without agreement (a process group of one rank), trials run as they are, and FSDP's state
-    is cleaned up all the same after a trial that did not fit.
+    Without agreement (a process group of one rank), trials run as they are (DDP's collectives
+    then have one rank), and FSDP's state is cleaned up all the same after a trial that did not
+    fit.
 
     Refused with :class:`~autobatch.AutobatchError`, on every rank before any trial: FSDP1
-    (``FullyShardedDataParallel``), FSDP2 with ``sync=False`` under a process group (its
-    collectives need every rank), CPU offload, and tensor parallelism under FSDP2 (see
-    :func:`autobatch._fsdp.unsupported`).
+    (``FullyShardedDataParallel``), DDP or FSDP2 with ``sync=False`` under a process group
+    (their collectives need every rank), CPU offload, tensor parallelism under FSDP2 (see
+    :func:`autobatch._fsdp.unsupported`), and what DDP's reducer would measure differently (see
+    :func:`_replica_problem`).
     """
-    if any(_fsdp.kind(m) == "fsdp1" for m in model.modules()):
+    tops = [model, *(m for m in modules if m is not model)]
+    if any(_fsdp.kind(m) == "fsdp1" for top in tops for m in top.modules()):
         raise AutobatchError(
             "the model is wrapped in FullyShardedDataParallel (FSDP1), whose collectives a rank "
             "that ran out of memory in a trial would never join, and autobatch cannot put a "
             "vote before them. Shard with FSDP2 instead (torch.distributed.fsdp.fully_shard): "
             "find_max_batch runs its trials in lockstep on every rank"
         )
-    roots = _fsdp.roots(model)
-    if not roots:
+    roots = list({id(r): r for top in tops for r in _fsdp.roots(top)}.values())
+    replicas = list({
+        id(m): m for top in tops for m in top.modules() if isinstance(m, DistributedDataParallel)
+    }.values())
+    if not roots and not replicas:
         return runner
     if not sync and active():
+        wrapped = "sharded with FSDP2" if roots else "wrapped in DistributedDataParallel"
+        why = "gathers parameters" if roots else "reduces gradients (and broadcasts buffers)"
         raise AutobatchError(
-            "sync_ranks=False cannot search a model sharded with FSDP2: every step gathers "
-            "parameters from every rank, so the ranks' trials cannot be independent. Use "
-            "sync_ranks=True (the default)"
+            f"sync_ranks=False cannot search a model {wrapped}: every step {why} with every "
+            "rank, so the ranks' trials cannot be independent. Use sync_ranks=True (the "
+            "default)"
         )
     for root in roots:
         problem = _fsdp.unsupported(root, finder=True)
         if problem is not None:
             raise AutobatchError(problem)
     if not sync:  # one rank: nothing to agree on, but FSDP's state to clean up all the same
+        if not roots:
+            return runner
 
         def alone(size: int) -> V:
             try:
@@ -331,7 +438,12 @@ def trials_in_lockstep(
             return outcome
 
         return alone
+    for replica in replicas:
+        problem = _replica_problem(replica)
+        if problem is not None:
+            raise AutobatchError(f"find_max_batch cannot search this model: {problem}")
     world = dist.get_world_size()
+    reducers = _Reducers(replicas)
 
     def trial(size: int) -> V:
         settled: list[list[int]] = []  # the vote that saw a failure, once there is one
@@ -365,7 +477,7 @@ def trials_in_lockstep(
 
         gate = CollectiveGate(checkpoint, lambda: False)
         try:
-            with gate:
+            with reducers, gate:
                 outcome = runner(size)
         except BaseException:
             _reset(roots)
@@ -374,6 +486,8 @@ def trials_in_lockstep(
         codes = ask(OK if outcome.fits else OOM)
         if not outcome.fits:
             _reset(roots)
+            if codes[rank()] == OK:  # stopped at a vote by another rank's OOM, not its own
+                outcome = dataclasses.replace(outcome, error=PEER)  # type: ignore[type-var]
         if max(codes) == FAILED:
             failed = [r for r, code in enumerate(codes) if code == FAILED]
             raise AutobatchError(

@@ -22,6 +22,7 @@ from autobatch._oom import oom_kind
 from autobatch._progress import OnTrial, watching
 from autobatch._result import SearchResult
 from autobatch._search import LinearModel, SearchPolicy, Trial, recommend, search
+from autobatch._state import modules_referenced
 from autobatch._trial import TrialRunner, prepared
 from autobatch._units import format_bytes
 from autobatch._validate import check_module
@@ -188,13 +189,13 @@ def _measured_search(
     budget = capacity
     if memory.has_statistics:  # other processes, or a per-process cap, may leave us less
         budget = min(capacity, memory.allocated_bytes() + memory.free_bytes())
-        if budget < capacity:
-            notes.append(
-                f"{format_bytes(capacity - budget)} of the {format_bytes(capacity)} device is not "
-                f"available to this process; searching within {format_bytes(budget)}"
-            )
-    if sync:
+    if sync:  # (every rank the same numbers: the tightest rank's)
         capacity, budget = _distributed.all_min([capacity, budget])
+    if budget < capacity:
+        notes.append(
+            f"{format_bytes(capacity - budget)} of the {format_bytes(capacity)} device is not "
+            f"available to this process; searching within {format_bytes(budget)}"
+        )
     if plan and start is None and prior is None:
         from autobatch._planner import plan_max_batch  # lazy: the planner imports this module
 
@@ -232,13 +233,18 @@ def _measured_search(
         runner = TrialRunner(
             make_batch, work.step, work.memory, steps_per_trial=spec.steps_per_trial,
             cleanup=work.drop_gradients, per_operator=per_operator_possible(work.model),
-            on_trial=on_trial,
+            on_trial=None if sync else on_trial,  # (under sync: the trials every rank agreed)
             adaptive=not sync,  # ranks in lockstep run the same steps: one more, always
         )
-        probe = _distributed.trials_in_lockstep(runner, model, sync=sync)  # (FSDP2)
+        probe = _distributed.trials_in_lockstep(  # (DDP, FSDP2)
+            runner, model, sync=sync, modules=modules_referenced(spec.loss_fn, spec.step_fn)
+        )
         if work.optimizer is not None:
             _prime(work.optimizer, model, spec.min_batch, capacity, memory.name, sync)
-        probe = _agreeing(probe) if sync else probe
+        records: list[Trial] = runner.records
+        if sync:
+            records = []
+            probe = _agreeing(probe, records, on_trial)
         outcome = search(
             probe,
             min_size=spec.min_batch,
@@ -250,7 +256,7 @@ def _measured_search(
             policy=policy,
         )
         if outcome.largest_fit is None:
-            raise _nothing_fits(runner.records, spec.min_batch, budget, memory.name, outcome.model)
+            raise _nothing_fits(records, spec.min_batch, budget, memory.name, outcome.model)
         # With headroom, the recommended size's own peak is measured (one more trial, below the
         # largest): a prediction may be off by the allocator's rounding, or bend.
         recommended = recommend(
@@ -265,7 +271,7 @@ def _measured_search(
     if spec.headroom and memory.has_statistics:
         measured = [
             t.peak_bytes if t.reserved_bytes is None else t.reserved_bytes
-            for t in runner.records if t.size == recommended and t.fits
+            for t in records if t.size == recommended and t.fits
         ]
         ceiling = math.floor((1 - spec.headroom) * budget)
         if measured and measured[-1] is not None and measured[-1] > ceiling:
@@ -284,7 +290,7 @@ def _measured_search(
     result = SearchResult(
         batch_size=recommended,
         max_batch_size=outcome.largest_fit,
-        trials=tuple(runner.records),
+        trials=tuple(records),
         memory_model=outcome.model,
         capacity_bytes=budget,
         device=memory.name,
@@ -310,49 +316,78 @@ def _dynamic_batches(make_batch: Callable[[int], Batch]) -> Callable[[int], Batc
     return make
 
 
-def _agreeing(runner: Callable[[int], Trial]) -> Callable[[int], Trial]:
-    """The runner's probe, with every verdict agreed by all ranks: one collective per trial, and
-    a second for the peaks of the parts when the trial fit everywhere.
+def _agreeing(
+    runner: Callable[[int], Trial], records: list[Trial], on_trial: OnTrial | None
+) -> Callable[[int], Trial]:
+    """The runner's probe, with every trial agreed by all ranks (one gather on the side group
+    per trial) and appended to ``records`` (and shown to ``on_trial``): the same record on
+    every rank.
 
-    Parts (and phases) are kept only when every rank measured as many, element-wise maximal.
-    A rank whose trial raises a non-OOM error still takes part in the first collective (so no
-    rank waits forever), then re-raises; the other ranks raise an :class:`AutobatchError`
-    naming it.
+    It fits if it fit on every rank; its peaks and time are the largest of the ranks'; a
+    failure names the first rank that ran out of memory itself (``"cuda_allocator (rank 1)"``).
+    Parts (and phases) are kept only when every rank measured as many, element-wise maximal;
+    its steps are the most any rank ran. A rank whose trial raises a non-OOM error still takes
+    part in the gather (so no rank waits forever), then re-raises; the other ranks raise an
+    :class:`AutobatchError` naming it.
     """
 
     def probe(size: int) -> Trial:
         try:
             mine = runner(size)
         except Exception:
-            _distributed.all_max([1, 1, -1, -1, 0, 0, 0, 0])
+            _distributed.gather(None)
             raise
-        peak_mine = -1 if mine.peak_bytes is None else mine.peak_bytes
-        reserved_mine = -1 if mine.reserved_bytes is None else mine.reserved_bytes
-        counts = [len(mine.parts), -len(mine.parts), len(mine.phases), -len(mine.phases)]
-        crashed, failed, peak, reserved, *spans = _distributed.all_max(
-            [0, int(not mine.fits), peak_mine, reserved_mine, *counts]
-        )
+        everyone: list[Trial | None] = _distributed.gather(dataclasses.replace(mine, curve=None))
+        crashed = [r for r, t in enumerate(everyone) if t is None]
         if crashed:
             raise AutobatchError(
-                f"another rank failed with an error that is not out-of-memory during the trial "
-                f"at batch {size}; see that rank's traceback"
+                f"rank {', '.join(map(str, crashed))} failed with an error that is not "
+                f"out-of-memory during the trial at batch {size}; see that rank's traceback"
             )
-        if failed:
-            error = mine.error if not mine.fits else "oom on another rank"
-            return dataclasses.replace(mine, fits=False, peak_bytes=None, error=error,
-                                       parts=(), phases=(), curve=None, reserved_bytes=None)
-        # (most, -fewest) per vector: every rank has as many exactly when the two agree
-        parts = mine.parts if spans[0] == -spans[1] else ()
-        phases = mine.phases if spans[2] == -spans[3] else ()
-        if parts or phases:
-            agreed = _distributed.all_max([*parts, *phases])
-            parts, phases = tuple(agreed[: len(parts)]), tuple(agreed[len(parts) :])
-        return dataclasses.replace(
-            mine, fits=True, peak_bytes=None if peak < 0 else peak, parts=parts, phases=phases,
-            curve=None, reserved_bytes=None if reserved < 0 else reserved,
-        )
+        trials = [t for t in everyone if t is not None]
+        if any(t.size != size for t in trials):  # (a bug: the ranks left lockstep)
+            raise AutobatchError(
+                f"the ranks tried different batch sizes ({', '.join(str(t.size) for t in trials)}"
+                "); every rank must search the same setup (model, sample, options)"
+            )
+        agreed = _agreed(mine, trials)
+        records.append(agreed)
+        if on_trial is not None:
+            on_trial(agreed)
+        return agreed
 
     return probe
+
+
+def _agreed(mine: Trial, trials: list[Trial]) -> Trial:
+    """One trial from every rank's record of it (see :func:`_agreeing`)."""
+    seconds = max(t.seconds for t in trials)
+    steps = max(t.steps for t in trials)
+    failed = [(r, t) for r, t in enumerate(trials) if not t.fits]
+    if failed:
+        own = [(r, t) for r, t in failed if t.error != _distributed.PEER]
+        r, first = (own or failed)[0]
+        error = f"{first.error} (rank {r})" if first.error else f"out of memory (rank {r})"
+        return dataclasses.replace(
+            mine, fits=False, peak_bytes=None, seconds=seconds, error=error, parts=(),
+            phases=(), curve=None, reserved_bytes=None, steps=steps,
+        )
+
+    def largest(values: list[int | None]) -> int | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known and len(known) == len(values) else None
+
+    def combined(vectors: list[tuple[int, ...]]) -> tuple[int, ...]:
+        if len({len(v) for v in vectors}) != 1:
+            return ()
+        return tuple(max(column) for column in zip(*vectors, strict=True))
+
+    return dataclasses.replace(
+        mine, fits=True, peak_bytes=largest([t.peak_bytes for t in trials]), seconds=seconds,
+        error=None, parts=combined([t.parts for t in trials]),
+        phases=combined([t.phases for t in trials]), curve=None,
+        reserved_bytes=largest([t.reserved_bytes for t in trials]), steps=steps,
+    )
 
 
 def _prime(

@@ -8,8 +8,9 @@ Four tables:
    largest batch for a capacity next to the exact largest the simulator finds with real steps.
    The plan is made with ``device_type="cpu"``, which counts what the simulator counts.
 1b. Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: 1 and 2 layers, batch_first both
-   ways) and Hugging Face GPT-2 and BERT built from small configs (random weights), with and
-   without an attention mask: the planned largest batch next to the simulator's exact one.
+   ways) and Hugging Face GPT-2, BERT, ViT and Llama built from small configs (random weights),
+   with and without an attention mask: the planned largest batch next to the simulator's exact
+   one.
 2. Speed. A ~29M-parameter transformer (``torch.nn`` layers: d_model 512, 8 heads, 8 layers,
    vocabulary 8000, sequence 128) planned for an 80 GiB GPU, and its planned peak at batch 2 next
    to the simulated peak of a real CPU step there.
@@ -97,15 +98,37 @@ def accuracy() -> bool:
 
 
 def _hugging_face(kind: str) -> tuple[nn.Module, Any]:
-    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        ViTConfig,
+        ViTForImageClassification,
+    )
 
     ids = torch.randint(0, 1000, (2, 64))
-    if kind.startswith("GPT-2"):
-        model: nn.Module = GPT2LMHeadModel(GPT2Config(
+    if kind.startswith("ViT"):
+        vit = ViTForImageClassification(ViTConfig(
+            image_size=32, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=128, num_labels=10,
+        ))
+        return vit, {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2,))}
+    if kind.startswith("Llama"):
+        model: nn.Module = LlamaForCausalLM(LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1 if "grouped" in kind else 2,
+            max_position_embeddings=128,
+        ))
+        sample: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids}
+    elif kind.startswith("GPT-2"):
+        model = GPT2LMHeadModel(GPT2Config(
             n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0,
             eos_token_id=0,
         ))
-        sample: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids}
+        sample = {"input_ids": ids, "labels": ids}
     else:
         model = BertForSequenceClassification(BertConfig(
             num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
@@ -122,7 +145,9 @@ def recurrent_and_hugging_face() -> bool:
     print("Recurrent layers keep workspaces a meta run does not see, and transformers reads an "
           "attention mask with `.item()`, which no meta run can answer: both are planned from "
           "small real steps on a CPU copy (`method` steps), measured up to the answer when the "
-          "capacity is small. The goal: within 2% of the exact largest batch, never above.\n")
+          "capacity is small. Attention without a mask (ViT, Llama, GPT-2) runs on meta with the "
+          "kernel the CPU chooses (its fused flash kernel here), as the simulator measures. The "
+          "goal: within 2% of the exact largest batch, never above.\n")
     print("| model | capacity | planned max | exact max | planned/exact | method | plan s |")
     print("|---|---:|---:|---:|---:|:---:|---:|")
     ok = True
@@ -131,8 +156,10 @@ def recurrent_and_hugging_face() -> bool:
          (kind, layers, first), "16MiB")
         for kind in ("LSTM", "GRU", "RNN") for layers in (1, 2) for first in (True, False)
     ]
-    cases += [(kind, kind, "64MiB") for kind in ("GPT-2", "GPT-2, attention_mask",
-                                                 "BERT, attention_mask")]
+    cases += [(kind, kind, "64MiB") for kind in (
+        "GPT-2", "GPT-2, attention_mask", "BERT, attention_mask", "ViT", "Llama",
+        "Llama, grouped-query attention", "Llama, attention_mask",
+    )]
     for label, spec, capacity in cases:
         torch.manual_seed(0)
         if isinstance(spec, tuple):

@@ -29,6 +29,12 @@
    ``expandable_segments`` (set at run time on the GPU). Neither side
    is capped. Kernel workspaces (cuBLAS, cuDNN) and CUDA-only kernels are what the simulator
    cannot see; in the dry run both sides are simulated and every difference must be 0.
+7. An OOM in the backward of a mixture of experts (its experts run side by side in backward):
+   sizes grow under a cap until a step runs out of memory; the phase it ran out in, the bytes
+   still allocated once its ``except`` block is left (nothing called in between) against
+   before the step, and whether the last size that fit runs again. On the CPU, autograd keeps
+   the work the failed backward left ready (with its activations) until the thread's next
+   backward, and the simulator frees it as a GPU's autograd thread does; this is that GPU.
 8. The write ledger on the device (split steps on pieces forced by injected OOMs): that it sees
    backward's operators, which CUDA runs on autograd's device threads (BatchNorm's statistics
    backed up, gradients folded by the hooks there); ``check_split`` in float64 on the device for
@@ -59,7 +65,7 @@ from autobatch._backends import DeviceMemory, memory_for
 from autobatch._measure import _StepPeaks
 from autobatch._workload import prime_optimizer
 from autobatch.testing import SimulatedGPU
-from autobatch.testing.models import TinyTransformer, conv_net, mlp
+from autobatch.testing.models import MixtureOfExperts, TinyTransformer, conv_net, mlp
 
 CE = nn.functional.cross_entropy
 
@@ -573,6 +579,59 @@ def check_reserved(
     return rows
 
 
+def _expert_step(
+    model: nn.Module, opt: torch.optim.Optimizer, n: int, device: torch.device, phase: list[str]
+) -> None:
+    """A plain training step at ``n`` rows; ``phase`` says where it is."""
+    x, y = torch.randn(n, 128, device=device), torch.randint(0, 10, (n,), device=device)
+    opt.zero_grad(set_to_none=True)
+    phase[0] = "forward"
+    loss = CE(model(x), y)
+    phase[0] = "backward"
+    loss.backward()
+    phase[0] = "optimizer step"
+    opt.step()
+    phase[0] = ""
+
+
+def check_failed_backward(device: torch.device, dry_run: bool, workloads: Workloads) -> list[str]:
+    rows = [
+        "| model | capacity | ran out at batch | in | left allocated after the except block | "
+        "the batch before runs again |",
+        "|---|---:|---:|---|---:|:---:|",
+    ]
+    width, capacity, start = (32, 4 << 20, 200) if dry_run else (256, 256 << 20, 512)
+    torch.manual_seed(0)
+    template = MixtureOfExperts(width=width, hidden=4 * width, experts=8 if not dry_run else 4)
+    with _capped(device, capacity, dry_run):
+        memory = memory_for(device)
+        model, opt = _trainer(template, device)
+        phase = [""]
+        _expert_step(model, opt, start, device, phase)  # AdamW's state
+        opt.zero_grad(set_to_none=True)
+        before = memory.allocated_bytes()
+        fits, failed, n = start, None, start
+        while failed is None and n < 100 * start:
+            n = int(n * 1.02) + 1  # (fine steps: the first OOM is where the peak is, in backward)
+            try:
+                _expert_step(model, opt, n, device, phase)
+            except torch.OutOfMemoryError:
+                failed = n
+            else:
+                fits = n
+        where = phase[0]
+        opt.zero_grad(set_to_none=True)  # the gradients the half-done step made
+        left = memory.allocated_bytes() - before  # nothing called since the except block
+        try:
+            _expert_step(model, opt, fits, device, phase)
+            again = True
+        except torch.OutOfMemoryError:
+            again = False
+        del model, opt
+    rows.append(
+        f"| mixture of experts (width {width}) | {capacity >> 20} MiB | {failed} | {where} | "
+        f"{left:,} bytes | {again} |"
+    )
 def check_ledger(device: torch.device, dry_run: bool, workloads: Workloads) -> list[str]:
     """Check 8: the write ledger on the device."""
     from autobatch._recovery import _ledger
@@ -765,6 +824,8 @@ def main() -> None:
         ("5. Cost of recording peaks during a trial (min of 5 steps)", check_recording_cost),
         ("6. Caching-allocator model vs CUDA's allocator: reserved peak of the same steps",
          check_reserved),
+        ("7. What an OOM in backward leaves allocated (a mixture of experts)",
+         check_failed_backward),
         ("8. The write ledger on the device", check_ledger),
     ]
     for title, check in checks:

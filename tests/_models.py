@@ -47,6 +47,31 @@ def bert(layers: int = 2, width: int = 64, vocab: int = 1000, classes: int = 4) 
     return BertForSequenceClassification(config)
 
 
+def vit(layers: int = 2, width: int = 64, image: int = 32, classes: int = 10) -> nn.Module:
+    """A Hugging Face ViT image classifier from a small config (4x4 patches), random weights."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=image, patch_size=4, num_channels=3, hidden_size=width,
+        num_hidden_layers=layers, num_attention_heads=2, intermediate_size=2 * width,
+        num_labels=classes,
+    )
+    return ViTForImageClassification(config)
+
+
+def llama(layers: int = 2, width: int = 64, vocab: int = 1000, kv_heads: int = 2) -> nn.Module:
+    """A Hugging Face Llama language model from a small config, with random weights
+    (``kv_heads=1``: grouped-query attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config)
+
+
 def fits_two_steps(
     model: nn.Module, opt_cls: Any, make: Callable[[], tuple[torch.Tensor, torch.Tensor]], n: int,
     capacity: int, sample_rows: int,

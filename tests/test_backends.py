@@ -44,3 +44,32 @@ def test_free_memory_without_a_device_empties_a_simulated_gpus_cache() -> None:
         autobatch.free_memory()
         assert gpu.reserved_bytes == 0
         assert memory_for("cpu").memory_stats()["num_device_free"] == 1  # type: ignore[index]
+
+
+def test_free_memory_drops_what_a_failed_cpu_backward_left_queued_in_autograd() -> None:
+    import weakref
+
+    from torch import nn
+
+    from autobatch.testing.models import MixtureOfExperts
+
+    model = MixtureOfExperts(width=16, hidden=32, experts=4)
+    outputs: list[weakref.ref[torch.UntypedStorage]] = []
+    for expert in model.experts:  # each expert's activations, saved for its backward
+        expert[1].register_forward_hook(
+            lambda m, args, out: outputs.append(weakref.ref(out.untyped_storage()))
+        )
+
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("a bug in a gradient hook")
+
+    x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+    handle = model.experts[-1][2].weight.register_hook(fail)  # the first expert backward runs
+    with pytest.raises(RuntimeError, match="a bug in a gradient hook"):
+        nn.functional.cross_entropy(model(x), y).backward()
+    handle.remove()
+    # torch on the CPU keeps the experts that were ready beside the failed one queued on this
+    # thread, with their activations, although nothing refers to them any more
+    assert any(ref() is not None for ref in outputs)
+    autobatch.free_memory("cpu")
+    assert all(ref() is None for ref in outputs)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _faults import PHASES, oom_over
 from _ranks import run_ranks
 from torch import nn
 
@@ -69,7 +70,7 @@ def _crash_on_rank_one(rank: int) -> dict[str, Any]:
 def test_non_oom_error_on_one_rank_raises_everywhere_instead_of_hanging(tmp_path: Path) -> None:
     results = run_ranks(_crash_on_rank_one, 2, tmp_path, timeout=60)
     assert results[1]["error"] == "ValueError: bug on rank 1"
-    assert results[0]["error"].startswith("AutobatchError: another rank failed")
+    assert results[0]["error"].startswith("AutobatchError: rank 1 failed with an error that is not")
 
 
 def test_single_process_without_group_is_unaffected() -> None:
@@ -430,3 +431,187 @@ def test_the_steps_own_collectives_are_agreed_before_they_run(tmp_path: Path) ->
         zero, one = run_ranks(_manual_all_reduce, 2, tmp_path, phase, timeout=60, pg_timeout=20)
         assert zero["guarded"] == one["guarded"], phase
         torch.testing.assert_close(_flat(zero["guarded"]), _flat(zero["plain"]), rtol=1e-5, atol=1e-6)
+
+
+# The finder under DistributedDataParallel ----------------------------------------------------
+
+# (the exact allocator: what these tests check is the ranks' lockstep, not the caching model)
+DDP_CASES = ("capacity", *PHASES)  # unequal devices; an OOM on rank 1 only, in each phase
+ROWS = 96  # where a phase's OOM starts on rank 1
+
+
+def _ddp_mlp() -> tuple[nn.Module, nn.Module]:
+    """An MLP (a fresh one, the same on every rank) under DDP with small buckets: its backward
+    all-reduces some gradients while later layers' are still being computed."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    inner = WORKLOADS["mlp"].model()
+    return DistributedDataParallel(inner, bucket_cap_mb=0.1), inner
+
+
+def _rank_limit(case: str, rank: int, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Rank ``rank``'s own limit in ``case`` besides its capacity: rank 1's OOM in a phase."""
+    if case in PHASES and rank == 1:
+        return oom_over(model, model[2], case, ROWS)  # (model[2]: the second linear layer)
+    return contextlib.nullcontext()
+
+
+def _ddp_capacity(case: str, rank: int) -> str:
+    return CAPACITIES[rank] if case == "capacity" else CAPACITIES[0]
+
+
+def _plain_ddp_loop(case: str, rank: int, n: int, steps: int = 3) -> str | None:
+    """A user's own loop, fresh: DDP model and AdamW made on the simulated device of
+    ``rank``'s capacity and limit, ``steps`` steps at batch ``n``; the error, if any."""
+    with SimulatedGPU(_ddp_capacity(case, rank), allocator="exact"):
+        model, inner = _ddp_mlp()
+        opt = torch.optim.AdamW(model.parameters())
+        done = 0
+        try:
+            with _rank_limit(case, rank, inner):
+                while done < steps:
+                    x, y = WORKLOADS["mlp"].sample(n)
+                    opt.zero_grad(set_to_none=True)
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                    done += 1
+        except torch.OutOfMemoryError as error:
+            return f"step {done}: {str(error)[:18]}"
+    return None
+
+
+def _ddp_find(rank: int) -> dict[str, Any]:
+    from autobatch._result import result_to_dict
+
+    out: dict[str, Any] = {}
+    sample = WORKLOADS["mlp"].sample(4)  # (host memory: the batches go to the device)
+    for case in DDP_CASES:
+        with SimulatedGPU(_ddp_capacity(case, rank), allocator="exact") as gpu:
+            model, inner = _ddp_mlp()  # made on the device: DDP's buckets are counted
+            opt = torch.optim.AdamW(model.parameters())
+            x, y = WORKLOADS["mlp"].sample(4)  # a first step of training: AdamW's state,
+            nn.functional.cross_entropy(model(x), y).backward()  # and DDP rebuilds its
+            opt.step()  # buckets at the next forward (the first trial's)
+            opt.zero_grad(set_to_none=True)
+            del x, y
+            before = gpu.allocated_bytes
+            with _rank_limit(case, rank, inner) as fired:
+                result = autobatch.search_batch_size(
+                    model, sample, opt,
+                    loss_fn=nn.functional.cross_entropy, headroom=0,
+                )
+            after = gpu.allocated_bytes
+            flags = [model.require_backward_grad_sync, model.require_forward_param_sync]
+            # DDP trains on after the search: its reducer averages a step's gradients
+            x, y = WORKLOADS["mlp"].sample(8)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        n = result.max_batch_size
+        out[case] = {
+            "result": result_to_dict(result),
+            "fired": sorted(set(fired or [])),
+            "leak": after - before,
+            "flags": flags,
+            "trained": [p.detach().flatten().tolist()[:8] for p in model.parameters()],
+            "n fits": _plain_ddp_loop(case, rank, n),
+            # one more, with the tightest rank's capacity and limit on both ranks (so that
+            # both run out at the same operator, and neither waits for the other)
+            "n+1": _plain_ddp_loop(case, 1, n + 1),
+        }
+    return out
+
+
+def test_finder_on_a_ddp_model_keeps_every_rank_in_step_whatever_runs_out_where(
+    tmp_path: Path,
+) -> None:
+    zero, one = run_ranks(_ddp_find, 2, tmp_path, timeout=240, pg_timeout=60)
+    for case in DDP_CASES:
+        a, b = zero[case], one[case]
+        a["result"].pop("device"), b["result"].pop("device")  # (each rank's own)
+        assert a["result"] == b["result"], f"{case}: the ranks' results differ"
+        n = a["result"]["max_batch_size"]
+        edge = [t for t in a["result"]["trials"] if t["size"] == n + 1]
+        assert edge, case  # one more was tried: it ran out on rank 1, the tightest
+        assert edge[0]["error"] == "cuda_allocator (rank 1)", (case, edge)
+        if case in PHASES:  # rank 1 ran out where asked, and nowhere else
+            assert b["fired"] == [case], (case, b["fired"])
+            assert n == ROWS, case
+        assert a["n fits"] is None, (case, a["n fits"])
+        assert b["n fits"] is None, (case, b["n fits"])
+        assert a["n+1"] is not None, case
+        assert "CUDA out of memory" in b["n+1"], (case, b["n+1"])
+        assert a["leak"] == b["leak"] == 0, case
+        assert a["flags"] == b["flags"] == [True, True], case
+        assert a["trained"] == b["trained"], f"{case}: DDP no longer averages gradients"
+
+
+def _ddp_refusals(rank: int) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict[str, Any] = {}
+    for case in ("gradient_as_bucket_view", "static_graph", "comm hook", "sync_ranks=False"):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(
+            WORKLOADS["mlp"].model(), gradient_as_bucket_view=case == "gradient_as_bucket_view",
+            static_graph=case == "static_graph",
+        )
+        if case == "comm hook":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        try:
+            autobatch.find_max_batch(
+                model, WORKLOADS["mlp"].sample(4), torch.optim.SGD, max_batch=64,
+                loss_fn=nn.functional.cross_entropy, sync_ranks=case != "sync_ranks=False",
+            )
+        except autobatch.AutobatchError as error:
+            out[case] = str(error)
+        else:
+            out[case] = None
+    return out
+
+
+def test_ddp_setups_a_trial_would_measure_wrongly_are_refused_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    zero, one = run_ranks(_ddp_refusals, 2, tmp_path, timeout=90)
+    assert zero == one
+    assert "gradient_as_bucket_view=True" in zero["gradient_as_bucket_view"]
+    assert "gradient_as_bucket_view=False" in zero["gradient_as_bucket_view"]  # the way out
+    assert "static_graph=True" in zero["static_graph"]
+    assert "communication hook" in zero["comm hook"]
+    assert "sync_ranks=False cannot search a model wrapped in DistributedDataParallel" in (
+        zero["sync_ranks=False"]
+    )
+
+
+def _ddp_alone(rank: int) -> dict[str, Any]:
+    sample = WORKLOADS["mlp"].sample(4)
+    with SimulatedGPU(CAPACITIES[1], allocator="exact"):
+        model, _ = _ddp_mlp()  # DDP over a process group of one rank: its reducer runs
+        result = autobatch.search_batch_size(
+            model, sample, torch.optim.SGD, loss_fn=nn.functional.cross_entropy, headroom=0
+        )
+    n = result.max_batch_size
+    return {"n": n, "fits": _fits_alone(n), "n+1": _fits_alone(n + 1)}
+
+
+def _fits_alone(n: int) -> bool:
+    with SimulatedGPU(CAPACITIES[1], allocator="exact"):
+        model, _ = _ddp_mlp()
+        opt = torch.optim.SGD(model.parameters())
+        try:
+            for _ in range(2):
+                x, y = WORKLOADS["mlp"].sample(n)
+                opt.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        except torch.OutOfMemoryError:
+            return False
+    return True
+
+
+def test_finder_on_a_ddp_model_of_one_rank_runs_ddp_as_it_is(tmp_path: Path) -> None:
+    (alone,) = run_ranks(_ddp_alone, 1, tmp_path, timeout=60)
+    assert alone["fits"], alone
+    assert not alone["n+1"], alone

@@ -17,12 +17,14 @@ from typing import Any
 
 import pytest
 import torch
+from _faults import PHASES, oom_over
 from _ranks import run_ranks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autobatch
 from autobatch._accounting import round_allocation
+from autobatch._result import result_to_dict
 from autobatch.testing import SimulatedGPU
 from autobatch.testing._inject import OOM_KINDS
 from autobatch.testing.models import TinyTransformer
@@ -184,6 +186,7 @@ def _find(rank: int) -> dict[str, Any]:
         "allocated": [allocated, after], "n+1": failed,
         "adopted": [adopted, sum(held.values()), whole],
         "errors": [t.error for t in result.trials],
+        "result": {k: v for k, v in result_to_dict(result).items() if k != "device"},
     }
 
 
@@ -198,13 +201,86 @@ def test_finder_agrees_on_the_tightest_ranks_exact_maximum_and_restores_everythi
     assert one["n+1"] is not None
     assert one["n+1"].startswith("CUDA out of memory"), one
     assert zero["n+1"] is not None  # (the same capacity: the same operator)
-    assert one["errors"][zero["verdicts"].index(False)] == "cuda_allocator"  # its own OOM,
-    assert zero["errors"][zero["verdicts"].index(False)] == "torch_oom"  # learned at a vote
+    # rank 0 learned of rank 1's OOM at a vote; both record the same trial, naming rank 1
+    assert zero["errors"] == one["errors"]
+    assert zero["errors"][zero["verdicts"].index(False)] == "cuda_allocator (rank 1)"
+    assert zero["result"] == one["result"]  # the same record on every rank, trials included
     for rank in (zero, one):
         adopted, shards, whole = rank["adopted"]
         assert adopted == shards < 0.6 * whole  # a rank's memory holds its shards, about half
         assert rank["exact"], "parameters, gradients, optimizer state or RNG changed"
         assert rank["allocated"][0] == rank["allocated"][1], "the search leaked memory"
+
+
+ROWS = 24  # where a phase's OOM starts on rank 1
+
+
+def _fault(rank: int, phase: str, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Rank 1's OOM in ``phase`` for batches over :data:`ROWS` (in the middle block's first
+    linear layer, or its optimizer step); nothing on rank 0."""
+    if rank != 1:
+        return contextlib.nullcontext()
+    return oom_over(model, model.encoder.layers[1].linear1, phase, ROWS)  # type: ignore[index]
+
+
+def _fresh(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A fresh sharded model and AdamW after a first step of training (its state made)."""
+    model = _sharded(torch.float32, d_model=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _default_step(model, opt, 4, 100 + rank)
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _plain_loop(rank: int, phase: str, n: int) -> str | None:
+    """A user's own loop on ``rank``'s limits, fresh: 2 steps at batch ``n``; the error."""
+    model, opt = _fresh(rank)
+    with SimulatedGPU(CAPACITIES[0], allocator="exact") as gpu:
+        gpu.adopt(model, opt)
+        try:
+            with _fault(rank, phase, model):
+                for seed in range(2):
+                    _default_step(model, opt, n, seed)
+        except torch.OutOfMemoryError as error:
+            model.reset_iter_state()  # type: ignore[operator]
+            return str(error)[:18]
+    return None
+
+
+def _find_with_a_fault(rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for phase in PHASES:
+        model, opt = _fresh(rank)
+        with SimulatedGPU(CAPACITIES[0], allocator="exact") as gpu:
+            gpu.adopt(model, opt)
+            with _fault(rank, phase, model) as fired:
+                result = autobatch.search_batch_size(
+                    model, lambda n: _tokens(n, 7 + rank), opt,
+                    loss_fn=nn.functional.cross_entropy, headroom=0, max_batch=4096,
+                )
+        n = result.max_batch_size
+        out[phase] = {
+            "result": {k: v for k, v in result_to_dict(result).items() if k != "device"},
+            "fired": sorted(set(fired or [])),
+            "n fits": _plain_loop(rank, phase, n),
+            "n+1": _plain_loop(1, phase, n + 1),  # rank 1's limit on both: the same operator
+        }
+    return out
+
+
+def test_finder_keeps_every_rank_in_step_when_one_runs_out_in_any_phase(tmp_path: Path) -> None:
+    zero, one = run_ranks(_find_with_a_fault, 2, tmp_path, timeout=300, pg_timeout=60)
+    for phase in PHASES:
+        a, b = zero[phase], one[phase]
+        assert a["result"] == b["result"], f"{phase}: the ranks' results differ"
+        assert a["result"]["max_batch_size"] == ROWS, phase
+        edge = [t for t in a["result"]["trials"] if t["size"] == ROWS + 1]
+        assert edge, phase
+        assert edge[0]["error"] == "cuda_allocator (rank 1)", (phase, edge)
+        assert b["fired"] == [phase], (phase, b["fired"])
+        assert a["n fits"] is None, (phase, a["n fits"])
+        assert b["n fits"] is None, (phase, b["n fits"])
+        assert a["n+1"] == b["n+1"] == "CUDA out of memory", phase
 
 
 def _refusals(rank: int) -> dict[str, Any]:

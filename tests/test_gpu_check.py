@@ -52,3 +52,7 @@ def test_gpu_check_dry_run_passes_every_check() -> None:
         for measure in ("reserved peak", "allocated peak", "segments", "retries"):
             assert row[f"{measure}: GPU"] == row[f"{measure}: simulator"], row
         assert row["reserved peak: GPU"] != "0.0 MiB", row
+    (failed,) = _table(out, "## 7.")
+    assert failed["in"] == "backward", failed
+    assert failed["left allocated after the except block"] == "0 bytes", failed
+    assert failed["the batch before runs again"] == "True", failed

@@ -33,7 +33,8 @@ def _batch_norm_calls() -> list[tuple[str, Any, tuple[Any, ...]]]:
     return calls
 
 
-@pytest.mark.parametrize(("name", "op", "args"), _batch_norm_calls(), ids=lambda v: str(v)[:40])
+@pytest.mark.parametrize(("name", "op", "args"), _batch_norm_calls(),
+                         ids=[name for name, _, _ in _batch_norm_calls()])
 def test_every_hidden_writer_writes_the_arguments_the_table_names(
     name: str, op: Any, args: tuple[Any, ...]
 ) -> None:

@@ -488,3 +488,113 @@ def test_real_steps_are_refused_when_the_copy_would_crowd_the_host(
     sample = (torch.randn(2, 8, 8), torch.randint(0, 4, (2,)))
     with pytest.raises(AutobatchError, match=r"host memory free; use autobatch\.find_max_batch"):
         plan_max_batch(model, sample, torch.optim.AdamW, "2MiB", loss_fn=CE)
+
+
+# --------------------------------------------------------------------------- fused attention
+
+
+class _Attention(nn.Module):
+    """One attention layer through ``scaled_dot_product_attention``, with the options under
+    test: a mask (``"bool"`` or ``"additive"``), causal, grouped keys, dropout, a dtype."""
+
+    def __init__(self, mask: str | None = None, causal: bool = False, grouped: bool = False,
+                 dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = 4, 2 if grouped else 4, 16
+        self.qkv = nn.Linear(32, (self.heads + 2 * self.kv_heads) * self.dim, dtype=dtype)
+        self.out = nn.Linear(self.heads * self.dim, 5, dtype=dtype)
+        self.mask, self.causal, self.grouped, self.dropout = mask, causal, grouped, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, length, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.heads * self.dim, self.kv_heads * self.dim, self.kv_heads * self.dim], -1
+        )
+        q = q.view(n, length, self.heads, self.dim).transpose(1, 2)
+        k = k.view(n, length, self.kv_heads, self.dim).transpose(1, 2)
+        v = v.view(n, length, self.kv_heads, self.dim).transpose(1, 2)
+        mask = None
+        if self.mask is not None:
+            keep = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+            mask = keep if self.mask == "bool" else torch.zeros(
+                length, length, dtype=x.dtype, device=x.device
+            ).masked_fill(~keep, float("-inf"))
+        attended = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal, enable_gqa=self.grouped,
+        )
+        out: torch.Tensor = self.out(attended.transpose(1, 2).reshape(n, length, -1).mean(1))
+        return out
+
+
+ATTENTION_CASES = {
+    "plain": {}, "causal": {"causal": True}, "bool mask": {"mask": "bool"},
+    "additive mask": {"mask": "additive"}, "grouped keys": {"grouped": True},
+    "dropout (math on the CPU too)": {"dropout": 0.1}, "bfloat16": {"dtype": torch.bfloat16},
+}
+
+
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_attention_is_planned_with_the_kernel_the_cpu_runs(case: str) -> None:
+    options = ATTENTION_CASES[case]
+    torch.manual_seed(0)
+    model = _Attention(**options)
+    dtype = options.get("dtype", torch.float32)
+    sample = (torch.randn(2, 48, 32, dtype=dtype), torch.randint(0, 5, (2,)))
+    n = 40
+    plan = plan_max_batch(model, sample, torch.optim.AdamW, "1GiB", loss_fn=CE,
+                          min_batch=n, max_batch=n, device_type="cpu")
+    assert plan.method == "meta"
+    assert not any("math path" in note for note in plan.notes)
+    real = _simulated(model, sample, "1GiB", optimizer=torch.optim.AdamW, loss_fn=CE,
+                      min_batch=n, max_batch=n)
+    assert dict(plan.points)[n] == real.trials[0].peak_bytes, case
+
+
+@pytest.mark.slow
+def test_attention_the_planner_cannot_replay_falls_back_to_real_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from autobatch._planner import _attention
+
+    monkeypatch.setattr(_attention, "_checked", lambda *key: "dispatched another operator")
+    model, sample = _Attention(), (torch.randn(2, 48, 32), torch.randint(0, 5, (2,)))
+    with pytest.warns(UserWarning, match="fused attention with operators the planner does not"):
+        plan = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE,
+                              device_type="cpu", headroom=0)
+    assert plan.method == "steps"
+    found = _simulated(model, sample, "16MiB", optimizer=torch.optim.AdamW, loss_fn=CE)
+    _within_two_percent(plan.max_batch_size, found.max_batch_size)
+
+
+def test_attention_planned_for_a_gpu_keeps_the_math_path_and_says_so() -> None:
+    model, sample = _Attention(), (torch.randn(2, 48, 32), torch.randint(0, 5, (2,)))
+    plan = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE)
+    assert any("math path" in note and "upper bound" in note for note in plan.notes)
+    on_cpu = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE,
+                            device_type="cpu")
+    assert plan.max_batch_size < on_cpu.max_batch_size  # the weights a fused kernel never holds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["vit", "llama", "llama, grouped-query attention"])
+def test_vit_and_llama_without_a_mask_are_planned_on_meta_exactly(kind: str) -> None:
+    from _models import llama, vit
+
+    torch.manual_seed(0)
+    sample: dict[str, torch.Tensor]
+    if kind == "vit":
+        model = vit()
+        sample = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2,))}
+    else:
+        model = llama(kv_heads=1 if "grouped" in kind else 2)
+        ids = torch.randint(0, 1000, (2, 64))
+        sample = {"input_ids": ids, "labels": ids}
+    plan = plan_max_batch(model, sample, torch.optim.AdamW, "64MiB", device_type="cpu",
+                          headroom=0)
+    assert plan.method == "meta"
+    found = _simulated(model, sample, "64MiB", optimizer=torch.optim.AdamW)
+    assert plan.max_batch_size == found.max_batch_size
+    n = found.max_batch_size
+    measured = next(t.peak_bytes for t in found.trials if t.size == n and t.fits)
+    assert dict(plan.points)[n] == measured

@@ -15,7 +15,7 @@ import autobatch
 from autobatch._accounting import round_allocation, storages
 from autobatch._backends import memory_for
 from autobatch.testing import OOM_KINDS, SimulatedGPU, inject_oom
-from autobatch.testing.models import WORKLOADS
+from autobatch.testing.models import WORKLOADS, MixtureOfExperts
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -231,6 +231,84 @@ def test_adopting_more_than_capacity_is_an_oom() -> None:
 
 
 # -- inject_oom -------------------------------------------------------------------------------
+
+
+def _expert_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 128, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+
+
+class _Phases:
+    """A user's plain step of a mixture of experts, and the phase it ran out of memory in."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = MixtureOfExperts(width=32, hidden=128, experts=4)
+        self.opt = torch.optim.AdamW(self.model.parameters())
+        self.phase = ""
+
+    def step(self, n: int, seed: int) -> None:
+        x, y = _expert_rows(n, seed)
+        self.opt.zero_grad(set_to_none=True)
+        self.phase = "forward"
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.phase = "backward"
+        loss.backward()
+        self.phase = "optimizer"
+        self.opt.step()
+        self.phase = ""
+
+
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
+def test_a_step_after_an_oom_in_the_backward_of_a_mixture_of_experts_runs(
+    allocator: str, one_thread: None,
+) -> None:
+    # Experts run side by side in backward: when one runs out of memory, autograd's other ready
+    # tasks (with the activations they hold) are left queued on the calling thread, where CPU
+    # backward runs. On a GPU the device's autograd thread drops them before backward()
+    # raises; the simulated GPU, which is the CPU underneath, must free them alike.
+    user = _Phases()
+    with SimulatedGPU("4MiB", allocator=allocator) as gpu:
+        gpu.adopt(user.model, user.opt)
+        user.step(200, 0)  # AdamW's state
+        user.opt.zero_grad(set_to_none=True)
+        baseline = gpu.allocated_bytes  # parameters and optimizer state
+        fits, failed = 200, None
+        for n in range(400, 2000, 20):
+            try:
+                user.step(n, n)
+            except torch.OutOfMemoryError:
+                failed = n
+                break
+            fits = n
+        assert failed is not None, "no size ran out of memory"
+        assert user.phase == "backward", f"the first OOM (batch {failed}) was in {user.phase}"
+        user.opt.zero_grad(set_to_none=True)  # the gradients the half-done backward made
+        assert gpu.allocated_bytes == baseline  # nothing of the failed step is left
+        for seed in range(3):  # the size that fit just before fits again, step after step
+            user.step(fits, seed)
+            user.opt.zero_grad(set_to_none=True)
+            assert gpu.allocated_bytes == baseline
+
+
+def test_an_injected_oom_in_the_backward_of_a_mixture_of_experts_leaves_nothing(
+    one_thread: None,
+) -> None:
+    user = _Phases()
+    with SimulatedGPU("64MiB", allocator="caching") as gpu:
+        gpu.adopt(user.model, user.opt)
+        user.step(200, 0)
+        user.opt.zero_grad(set_to_none=True)
+        baseline = gpu.allocated_bytes
+        # (after the router's gradient reaches the experts: several are then ready at once)
+        with inject_oom(phase="backward", at_op=12) as fault, pytest.raises(torch.OutOfMemoryError):
+            user.step(800, 1)
+        assert fault.fired == 1
+        user.opt.zero_grad(set_to_none=True)
+        assert gpu.allocated_bytes == baseline
+        user.step(800, 2)
+        user.opt.zero_grad(set_to_none=True)
+        assert gpu.allocated_bytes == baseline
 
 
 @pytest.mark.parametrize("kind", sorted(OOM_KINDS))

@@ -23,6 +23,7 @@ from autobatch._accounting import (
     storages,
 )
 from autobatch._errors import AutobatchError
+from autobatch._planner._attention import FusedAttention
 from autobatch._planner._records import PlanBreakdown
 from autobatch._search import Trial
 from autobatch._validate import is_sample_factory
@@ -330,6 +331,9 @@ class _MetaSetup:
         )
         self.ledger = _PlanLedger(block_bytes, frozenset({"cpu"} if real else {"meta", device_type}))
         self.mode = _PlanMode(self.ledger, real=real)
+        self.attention: contextlib.AbstractContextManager[Any] = (  # (on meta tensors only)
+            FusedAttention() if device_type == "cpu" else contextlib.nullcontext()
+        )
         self.mode.known = {
             _storage_key(copied.untyped_storage()) for copied in memo.values()
             if isinstance(copied, torch.Tensor) and copied.layout is torch.strided
@@ -362,7 +366,7 @@ class _MetaSetup:
         self.mode.op = self.mode.failed_op = self.mode.node = None
         self.mode.foreign = False
         try:
-            with self.mode:
+            with self.mode, self.attention:
                 yield
         except Exception as error:
             if self.mode.foreign:  # not the planner's limit: the step would touch real data

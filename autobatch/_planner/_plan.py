@@ -99,10 +99,12 @@ def plan_max_batch(
     >>> next(model.parameters()).device.type  # the real model stays where it was
     'cpu'
 
-    What the plan cannot see: kernels that choose their memory on the device. On a GPU, attention
-    may run fused kernels (flash or memory-efficient SDPA) that need much less than the math
-    path planned here, and cuDNN/cuBLAS may take workspaces: with attention the plan is an upper
-    bound, the workspaces belong in ``overhead``. Fragmentation of the caching allocator is not
+    What the plan cannot see: kernels that choose their memory on the device. Attention
+    (``scaled_dot_product_attention``) planned for the CPU runs the kernel the CPU chooses (its
+    fused flash kernel, or the math path), as on :class:`~autobatch.testing.SimulatedGPU`; for
+    a GPU it is planned with the math path, and the GPU's fused kernels (flash,
+    memory-efficient, cuDNN) need less: with attention the plan is an upper bound there.
+    cuDNN/cuBLAS may take workspaces, which belong in ``overhead``. Fragmentation of the caching allocator is not
     modelled (as in the simulator). A ``step_fn`` or ``loss_fn`` must only use the model it is
     given (and module losses, which are copied); a GradScaler is not planned.
 
@@ -236,7 +238,7 @@ def _plan_on_meta(r: _Request) -> Plan:
             reserved_bytes=r.overhead_bytes,
         )
     extra = []
-    if setup.mode.attention:
+    if setup.mode.attention and r.device_type != "cpu":  # (the CPU chose the math path too)
         extra.append(
             "attention planned with the math path; fused attention kernels (flash, "
             "memory-efficient) on the device need less, so the plan is an upper bound there"

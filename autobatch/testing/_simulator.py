@@ -20,6 +20,7 @@ from autobatch._accounting import (
     _storage_key,
     storages,
 )
+from autobatch._backends import BackwardLeftovers, in_backward
 from autobatch._units import format_bytes, parse_bytes
 from autobatch.testing._allocator import (
     LARGE_BUFFER,
@@ -90,7 +91,11 @@ class SimulatedGPU:
     autograd's backward, which torch runs with the entering thread's modes. A storage resized
     in place (``untyped_storage().resize_()``, as FSDP2 frees and re-allocates its gathered
     parameters) is counted at its new size. The caching model sees the storages an operator
-    returns, in order, not the workspaces a CUDA kernel may take inside it.
+    returns, in order, not the workspaces a CUDA kernel may take inside it. When a backward
+    raises (out of memory or not), the autograd work it left ready, with the activations that
+    work holds, is freed at the next operator or look at the simulator's numbers, as a GPU's
+    autograd thread frees it before ``backward()`` raises (torch keeps it on the CPU until the
+    thread's next backward).
     """
 
     def __init__(
@@ -132,7 +137,7 @@ class SimulatedGPU:
                 address_space=self.capacity_bytes + self.capacity_bytes // 8,
             )
             self.ledger: StorageLedger = _AllocatorLedger(self._allocator, self._refused)
-            self._mode = CountingMode(self.ledger)
+            self._mode = _DeviceMode(self.ledger)
         elif allocator == "exact":
             if expandable_segments is not None or max_split_size_mb is not None:
                 raise ValueError(
@@ -140,7 +145,7 @@ class SimulatedGPU:
                     "only; pass allocator='caching'"
                 )
             self.ledger = StorageLedger(block_bytes)
-            self._mode = CountingMode(self.ledger, self._check)
+            self._mode = _DeviceMode(self.ledger, self._check)
         else:
             raise ValueError(f"allocator must be 'exact' or 'caching', got {allocator!r}")
         self.allocator = allocator
@@ -151,6 +156,7 @@ class SimulatedGPU:
     @property
     def allocated_bytes(self) -> int:
         """Bytes held by live counted storages."""
+        self._mode.settle()
         return self.ledger.allocated_bytes
 
     @property
@@ -162,6 +168,7 @@ class SimulatedGPU:
     def reserved_bytes(self) -> int:
         """Bytes the allocator holds from the device: its segments, in use or cached
         (``torch.cuda.memory_reserved``); the exact model reserves what is allocated."""
+        self._mode.settle()
         if self._allocator is None:
             return self.ledger.allocated_bytes
         return self._allocator.reserved_bytes
@@ -184,6 +191,7 @@ class SimulatedGPU:
     def segments(self) -> tuple[int, ...]:
         """The size of every reserved segment, by address (an expandable segment: each mapped
         range); empty in the exact model, which has none."""
+        self._mode.settle()
         if self._allocator is None:
             return ()
         return tuple(size for size, _ in self._allocator.segments())
@@ -211,6 +219,7 @@ class SimulatedGPU:
         ``max_split_size``; the exact model the ``all`` current and peak of allocated and
         reserved bytes (equal), ``num_alloc_retries`` (0) and ``num_ooms``.
         """
+        self._mode.settle()
         if self._allocator is not None:
             return self._allocator.stats()
         allocated, peak = self.ledger.allocated_bytes, self.ledger.peak_bytes
@@ -226,6 +235,7 @@ class SimulatedGPU:
     def empty_cache(self) -> None:
         """Give every cached segment that is entirely free back to the device, as
         ``torch.cuda.empty_cache()`` does (nothing is cached in the exact model)."""
+        self._mode.settle()
         if self._allocator is not None:
             self._allocator.empty_cache()
 
@@ -278,10 +288,12 @@ class SimulatedGPU:
             _active.append(self)
             _backends._overrides.append(self._memory_for)
             torch.UntypedStorage.resize_ = _resize_counted  # type: ignore[method-assign,assignment]
+        self._mode.start()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._mode.settle()
         self._mode.__exit__(*exc)
         with _active_lock:
             _active.remove(self)
@@ -365,6 +377,50 @@ def _out_of_memory(
         "documentation for Memory Management  "
         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
     )
+
+
+class _DeviceMode(CountingMode):
+    """The simulator's counting mode, which also frees what a backward that raised left
+    behind, as a GPU does before ``backward()`` raises.
+
+    The simulated device is the CPU, whose backward runs on the calling thread and keeps the
+    nodes left ready by a failed backward queued there, with their tensors
+    (:class:`~autobatch._backends.BackwardLeftovers`); a GPU's autograd thread drops them at
+    once. Once an operator has run inside a backward, the first operator outside one (or the
+    first look at the simulator's numbers, on the thread that entered it) releases them: a
+    backward of one multiplication, which does nothing after a backward that finished.
+    """
+
+    def __init__(
+        self, ledger: StorageLedger, check: Callable[[int], BaseException | None] | None = None
+    ) -> None:
+        super().__init__(ledger, check)
+        self.leftovers: BackwardLeftovers | None = None
+        self.thread = 0
+        self.backward_ran = False
+
+    def start(self) -> None:
+        """Called on the entering thread, where autograd records (before the mode is on)."""
+        self.leftovers, self.thread = BackwardLeftovers(), threading.get_ident()
+        self.backward_ran = False
+
+    def settle(self) -> None:
+        """Release what the last backward left, unless a backward still runs."""
+        if (
+            self.backward_ran
+            and self.leftovers is not None
+            and threading.get_ident() == self.thread
+            and not in_backward()
+        ):
+            self.backward_ran = False
+            self.leftovers.release()
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if in_backward():
+            self.backward_ran = True
+        elif self.backward_ran:
+            self.settle()
+        return super().dispatch(func, args, kwargs)
 
 
 class _AllocatorLedger(StorageLedger):

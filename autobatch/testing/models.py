@@ -1,6 +1,7 @@
 """Small real models for tests, benchmarks and the demo: an MLP, a conv net with BatchNorm and a
-transformer, each with a matching ``sample(n)`` that makes a labelled batch of ``n`` rows; and a
-GRU, which like the transformer reads token sequences of any length (:func:`tokens`)."""
+transformer, each with a matching ``sample(n)`` that makes a labelled batch of ``n`` rows; a
+GRU, which like the transformer reads token sequences of any length (:func:`tokens`); and a
+mixture of experts, whose shapes inside a step depend on how its router sends the rows."""
 
 from __future__ import annotations
 
@@ -112,6 +113,45 @@ class RecurrentClassifier(nn.Module):
 def gru(vocab: int = 1000, embed: int = 32, hidden: int = 64) -> nn.Module:
     """A small GRU classifier for token sequences."""
     return TinyGRU(vocab=vocab, embed=embed, hidden=hidden)
+
+
+class MixtureOfExperts(nn.Module):
+    """A classifier of vectors through a mixture-of-experts MLP: a router sends each row to its
+    ``top_k`` best experts (small MLPs), whose outputs, weighted by the router, are summed back
+    in place (``index_add_``), as Mixtral's sparse MLP does. How many rows each expert gets, and
+    so the shapes of its tensors, depend on the router and the batch."""
+
+    def __init__(
+        self, inputs: int = 128, width: int = 64, hidden: int = 256, experts: int = 8,
+        top_k: int = 2, classes: int = 10,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top_k must be between 1 and experts={experts}, got {top_k!r}")
+        self.top_k = top_k
+        self.embed = nn.Linear(inputs, width)
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, hidden), nn.SiLU(), nn.Linear(hidden, width))
+            for _ in range(experts)
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        weights, chosen = self.router(h).softmax(dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        mixed = torch.zeros_like(h)
+        for index, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == index)
+            mixed.index_add_(0, rows, expert(h[rows]) * weights[rows, slot, None])
+        out: torch.Tensor = self.head(mixed)
+        return out
+
+
+def mixture_of_experts(width: int = 64, experts: int = 8, top_k: int = 2) -> nn.Module:
+    """A small mixture-of-experts classifier for vectors of 128 features."""
+    return MixtureOfExperts(width=width, hidden=4 * width, experts=experts, top_k=top_k)
 
 
 def tokens(
