@@ -376,16 +376,26 @@ def _ddp_batchnorm(rank: int) -> dict[str, Any]:
             phase = {0: "forward", 1: "backward"}.get(index) if rank == 1 else None
             with inject_oom(phase=phase) if phase else contextlib.nullcontext():
                 step(batch)
-    # (buffers are not compared: each rank's last forward updates its own running statistics,
-    # which DDP replaces by rank 0's at the start of the next forward)
+    # (buffers are compared after one more forward: each rank's last forward updates its own
+    # running statistics, which DDP replaces by rank 0's at the start of the next forward)
+    syncing = model.require_forward_param_sync
+    model.eval()  # (DDP broadcasts rank 0's buffers first; in eval BatchNorm keeps them)
+    with torch.no_grad():
+        model(batches[0][0][:2])
     params = [p.detach().double().flatten().tolist() for p in model.parameters()]
-    return {"params": params, "ooms": step.stats.ooms}
+    buffers = [b.detach().double().flatten().tolist() for b in model.module.buffers()]
+    return {"params": params, "ooms": step.stats.ooms, "syncing": syncing, "buffers": buffers}
 
 
 def test_ddp_with_buffers_recovers_and_keeps_ranks_identical(tmp_path: Path) -> None:
     zero, one = run_ranks(_ddp_batchnorm, 2, tmp_path, timeout=60)
     assert zero["params"] == one["params"]
     assert one["ooms"] >= 1
+    # DDP still broadcasts the buffers at its next forward (the guard used to leave
+    # require_forward_param_sync off after its first step, and the statistics drifted apart)
+    assert zero["syncing"] is one["syncing"] is True
+    assert zero["buffers"]
+    assert zero["buffers"] == one["buffers"]
 
 
 def _manual_all_reduce(rank: int, phase: str) -> dict[str, Any]:

@@ -116,7 +116,9 @@ class _Coordination:
         self.session: _Accumulation | None = None
         self.settled: list[int] | None = None  # the vote of this attempt that saw a failure
         self.modules: dict[int, DistributedDataParallel] = {}  # DDP modules run this attempt
-        self.flags: list[tuple[DistributedDataParallel, bool]] = []  # forwards under way
+        # forwards under way: each DDP module with its two flags as the user had them (DDP sets
+        # require_forward_param_sync from the backward flag in its forward, so both go back)
+        self.flags: list[tuple[DistributedDataParallel, bool, bool]] = []
         self.armed = False  # a DDP forward ran: average at the end of the next backward
         self.queued = False
         self.hooked: set[int] = set()  # DDP modules whose parameters carry our gradient hook
@@ -224,8 +226,9 @@ class _Coordination:
             self.active = self.armed = self.queued = False
             self.session = None
             while self.flags:
-                module, flag = self.flags.pop()
-                module.require_backward_grad_sync = flag
+                module, backward, forward = self.flags.pop()
+                module.require_backward_grad_sync = backward
+                module.require_forward_param_sync = forward
             self.modules.clear()
             self._end_sharded(failed, whole=session is None)
 
@@ -343,7 +346,7 @@ class _Coordination:
             )
         self.modules[id(module)] = module
         wanted = module.require_backward_grad_sync  # False inside the user's own no_sync()
-        self.flags.append((module, wanted))
+        self.flags.append((module, wanted, module.require_forward_param_sync))
         if id(module) not in self.hooked:
             self.hooked.add(id(module))
             self.gradient_hooks += [
@@ -359,8 +362,10 @@ class _Coordination:
         if _fsdp.kind(module) == "fsdp2":
             self._sharded_forward_done(module)
         elif isinstance(module, DistributedDataParallel) and self.flags:
-            owner, flag = self.flags.pop()
-            owner.require_backward_grad_sync = flag
+            owner, backward, forward = self.flags.pop()
+            owner.require_backward_grad_sync = backward
+            # (what DDP's forward would have set had autobatch not turned the reducer off)
+            owner.require_forward_param_sync = backward and torch.is_grad_enabled() or forward
 
     def _refuse(self, problem: str) -> None:
         if self.settled is None:
