@@ -53,6 +53,7 @@ __all__ = [
     "slice_batch",
     "split_batch",
     "tensors",
+    "uncollated",
 ]
 
 Batch = Any
@@ -121,6 +122,20 @@ def _kind(x: object) -> _Kind:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return "dataclass"
     return "broadcast"
+
+
+def uncollated(batch: Batch) -> bool:
+    """Whether ``batch`` is a list or tuple of two or more per-row mappings with the same keys
+    (samples not collated yet): its rows are the items, not dimension 0 of their tensors.
+
+    >>> uncollated([{"x": torch.zeros(3)}, {"x": torch.ones(3)}]), uncollated({"x": [1, 2]})
+    (True, False)
+    """
+    return (
+        isinstance(batch, list | tuple) and len(batch) > 1
+        and all(isinstance(row, Mapping) for row in batch)
+        and all(row.keys() == batch[0].keys() for row in batch)
+    )
 
 
 def _children(x: Any, kind: _Kind) -> list[tuple[Any, str, Any]]:

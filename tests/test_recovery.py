@@ -1043,3 +1043,21 @@ def test_recovery_keeps_the_users_peak_statistic() -> None:
         step((torch.randn(4096, 64), torch.randint(0, 10, (4096,))))  # runs out, recovers
         assert step.stats.ooms >= 1  # type: ignore[attr-defined]
         assert gpu.peak_bytes >= theirs
+
+
+def test_a_list_of_per_row_dicts_is_never_split_along_its_features() -> None:
+    """Uncollated samples (a slice of a Hugging Face dataset): dimension 0 of their tensors is
+    a feature, not a row. Run whole while they fit; refused clearly when they would be split."""
+    rows = [{"x": torch.randn(8), "label": torch.tensor(i % 2)} for i in range(6)]
+    seen: list[int] = []
+
+    @retry_on_oom
+    def step(batch: list[dict[str, torch.Tensor]]) -> None:
+        seen.append(batch[0]["x"].shape[0])
+        if len(seen) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    step(rows)
+    with pytest.raises(AutobatchError, match="default_collate"):
+        step(rows)
+    assert seen == [8, 8]  # never a piece with fewer features

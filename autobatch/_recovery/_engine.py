@@ -22,6 +22,7 @@ from autobatch._batch import (
     shape_key,
     slice_batch,
     tensors,
+    uncollated,
 )
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_name
@@ -396,6 +397,11 @@ class _Engine:
         observer: _Observer | None,
     ) -> Any:
         """Run ``batch`` in pieces, recovering from OOM; ``failure`` is a first whole-batch OOM."""
+        if uncollated(batch):  # (dimension 0 of its tensors is not its rows)
+            return self._whole(args, kwargs, batch, (
+                "it is a list of per-row dicts (samples not collated yet); collate them into "
+                "a dict of tensors first, e.g. with torch.utils.data.default_collate"
+            ), failure)
         try:
             total = batch_size(batch)
         except (TypeError, ValueError) as error:

@@ -362,10 +362,10 @@ class _Coordination:
         if _fsdp.kind(module) == "fsdp2":
             self._sharded_forward_done(module)
         elif isinstance(module, DistributedDataParallel) and self.flags:
-            owner, backward, forward = self.flags.pop()
+            owner, backward, _ = self.flags.pop()
             owner.require_backward_grad_sync = backward
             # (what DDP's forward would have set had autobatch not turned the reducer off)
-            owner.require_forward_param_sync = backward and torch.is_grad_enabled() or forward
+            owner.require_forward_param_sync = backward and torch.is_grad_enabled()
 
     def _refuse(self, problem: str) -> None:
         if self.settled is None:
