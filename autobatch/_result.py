@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from autobatch._errors import AutobatchError
 from autobatch._search import LinearModel, Trial
 from autobatch._units import format_bytes
+
+#: What draws a record, ``draw(record, path)``: set by :mod:`autobatch._plot` when it is
+#: imported (as ``import autobatch`` does), so that the records know nothing of plotting and
+#: no import runs from here to there.
+DRAW: list[Callable[[Any, str | None], Any]] = []
+
+
+def _draw(record: Any, path: str | None) -> Any:
+    if not DRAW:  # pragma: no cover - autobatch's own import loads the plotter
+        raise RuntimeError("import autobatch (its plotter) before plotting a record")
+    return DRAW[0](record, path)
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,14 @@ class SearchResult:
     optimizer_counted: bool
     smallest_failing: int | None = None
     notes: tuple[str, ...] = field(default=())
+
+    def plot(self, path: str | None = None) -> Any:
+        """Peak memory against batch size (the same as ``autobatch.plot(result, path)``).
+
+        Needs matplotlib (``pip install torch-autobatch[plot]``). Saves to ``path`` when given;
+        returns the matplotlib figure.
+        """
+        return _draw(self, path)
 
     @property
     def oom_trials(self) -> int:
@@ -441,6 +460,14 @@ class ThroughputResult:
     warmup: int
     search: SearchResult | None = None
     notes: tuple[str, ...] = field(default=())
+
+    def plot(self, path: str | None = None) -> Any:
+        """Samples/second against batch size (the same as ``autobatch.plot(result, path)``).
+
+        Needs matplotlib (``pip install 'torch-autobatch[plot]'``). Saves to ``path`` when
+        given; returns the matplotlib figure.
+        """
+        return _draw(self, path)
 
     def __repr__(self) -> str:
         lines = [

@@ -632,6 +632,9 @@ def check_failed_backward(device: torch.device, dry_run: bool, workloads: Worklo
         f"| mixture of experts (width {width}) | {capacity >> 20} MiB | {failed} | {where} | "
         f"{left:,} bytes | {again} |"
     )
+    return rows
+
+
 def check_ledger(device: torch.device, dry_run: bool, workloads: Workloads) -> list[str]:
     """Check 8: the write ledger on the device."""
     from autobatch._recovery import _ledger

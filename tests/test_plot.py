@@ -125,3 +125,14 @@ def test_docstring_examples_run() -> None:
     result = doctest.testmod(autobatch._plot)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_a_records_own_plot_method_draws_through_the_plotter(tmp_path: Path) -> None:
+    """``result.plot(path)``, as before ``autobatch.plot`` existed, gives the same figure."""
+    pytest.importorskip("matplotlib")
+    model = torch.nn.Linear(64, 64)
+    with SimulatedGPU("4MiB", allocator="exact"):
+        result = autobatch.search_batch_size(model, torch.randn(2, 64), max_batch=512)
+    figure = result.plot(str(tmp_path / "search.png"))
+    assert (tmp_path / "search.png").read_bytes()[:4] == b"\x89PNG"
+    assert figure is not None

@@ -514,13 +514,14 @@ class _Engine:
                 dirty = session is not None and session.dirty
                 if coord is not None:
                     dirty = coord.any(dirty)  # one rank's sum is spoilt: every rank starts over
-                if dirty or whole is not None:
+                if dirty:
                     lost += done  # this piece's gradients reached the sum: the batch starts over
                     pieces.clear()
                     done = 0
                 self._recover(
                     failure, whole, key, eps, n, lost, memory, session, observer,
-                    restart=dirty, fresh=fresh, watched=watched,
+                    restart=dirty or (whole is not None and done == 0), fresh=fresh,
+                    watched=watched,
                 )
         except BaseException as error:
             # A refusal, an error of the step's own, a batch too large: nothing of the batch
@@ -564,7 +565,7 @@ class _Engine:
     ) -> None:
         """After an OOM at ``failed`` rows: check what the attempt changed, undo it, clean up,
         free memory, and pick a smaller size. ``whole``: the record of a whole-batch attempt;
-        else a piece of ``session`` (``restart``: its batch starts over). ``lost`` samples are
+        else a piece of ``session``; ``restart``: its batch starts over. ``lost`` samples are
         redone. Under a process group every rank takes the same size."""
         self.tally.counts.update(ooms=1, samples_recomputed=lost)
         if observer is not None:
@@ -587,12 +588,14 @@ class _Engine:
                 raise applied from error.__cause__
             problem = applied  # raised once the other ranks know
         if problem is None:
-            if whole is not None:  # the whole batch: put everything back as it was
+            if whole is not None:  # a whole call: put back what it changed
                 whole.rollback()
-                if self.ledger.is_open:
+                if self.ledger.is_open and restart:  # (the batch's first call)
                     if session is not None:
                         session.restart()
                     self.ledger.undo_batch()
+                elif self.ledger.is_open:  # (a later piece of policy='shrink')
+                    self.ledger.undo_piece()
             elif restart:
                 assert session is not None
                 session.restart()

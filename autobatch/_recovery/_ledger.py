@@ -526,6 +526,8 @@ class Ledger:
         verdict = rule.decide(write)
         if verdict is Verdict.ALLOW:
             return
+        if verdict in (Verdict.REFUSE, Verdict.FINAL) and _from_distributed():
+            return  # torch.distributed's own (FSDP2 gathering into its unsharded parameters)
         if verdict is Verdict.BACKUP:
             self._back_up(tensor)
             if kind in (Kind.OTHER, Kind.BUFFER, Kind.METRIC, Kind.ADDITIVE):
@@ -573,6 +575,10 @@ class Ledger:
     def _classify(self, tensor: torch.Tensor, key: int) -> tuple[Kind, str]:
         """A tensor not in the index: a buffer of a module whose forward runs, torch.distributed's
         own, or another tensor."""
+        node = torch._C._current_autograd_node()
+        leaf = getattr(node, "variable", None)  # AccumulateGrad adding into a leaf's .grad
+        if isinstance(leaf, torch.Tensor) and leaf.grad is not None and _key(leaf.grad) == key:
+            return (Kind.GRADIENT, f"the gradient of a {_describe(leaf)} leaf")
         module = _forward_module()
         if module is not None:
             for name, buffer in module.named_buffers():

@@ -66,6 +66,10 @@ def _engine_busy() -> bool:
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed")
+#: Where the sharding frameworks keep their own buffers (not the c10d API a step may call).
+_FRAMEWORK_DIRS = tuple(
+    os.path.join(_DISTRIBUTED_DIR, sub) for sub in ("fsdp", "_composable", "tensor")
+)
 _LIBRARY_DIRS = (_TORCH_DIR, _OWN_DIR, os.path.dirname(os.__file__))
 
 
@@ -100,12 +104,13 @@ def _forward_module() -> nn.Module | None:
 
 
 def _from_distributed() -> bool:
-    """Whether the innermost Python frame below this one that is not autobatch's belongs to
-    torch.distributed (FSDP2 writing its all-gathered parameters, DDP its buckets)."""
+    """Whether the innermost Python frame below this one that is not autobatch's belongs to a
+    sharding framework of torch.distributed (FSDP2 writing its all-gathered parameters or its
+    sharded gradients, DTensor its redistributions), not to the step's own code."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith(_DISTRIBUTED_DIR):
+        if path.startswith(_FRAMEWORK_DIRS):
             return True
         if not path.startswith(_OWN_DIR) and not path.startswith(_TORCH_DIR):
             return False
