@@ -508,7 +508,9 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Batch) -> Bat
     return _walk(apply, [batch])
 
 
-def move_batch(batch: Batch, device: torch.device | str | int, non_blocking: bool = False) -> Batch:
+def move_batch(
+    batch: Batch, device: torch.device | str | int, non_blocking: bool = False, copy: bool = False
+) -> Batch:
     """Return ``batch`` with every tensor leaf moved to ``device``, like a training loop's ``.to``.
 
     >>> import torch
@@ -519,8 +521,9 @@ def move_batch(batch: Batch, device: torch.device | str | int, non_blocking: boo
         batch: a tensor or a nest of containers (see the module documentation).
         device: where the tensors go.
         non_blocking: passed to ``Tensor.to``.
+        copy: copy tensors already on ``device`` too (passed to ``Tensor.to``).
     """
-    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking, copy=copy), batch)
 
 
 def elements_per_sample(batch: Batch) -> int:

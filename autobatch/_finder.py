@@ -230,16 +230,22 @@ def _measured_search(
             )
         elif work.compiled:  # the compiled graph runs: one graph for every trial's size
             make_batch = _dynamic_batches(make_batch)
+        # Where the allocator caches, where a tensor lies matters as much as its bytes: a trial
+        # replays the user's loop from the state the user has, the optimizer's state made by
+        # a real first step (after the first backward, in what its activations left). Where
+        # only bytes count, state made up front is the same number of bytes, and one step less.
+        replay = work.optimizer is not None and memory.has_statistics and memory.caches
         runner = TrialRunner(
             make_batch, work.step, work.memory, steps_per_trial=spec.steps_per_trial,
-            cleanup=work.drop_gradients, per_operator=per_operator_possible(work.model),
+            cleanup=work.start_over if replay else work.drop_gradients,
+            per_operator=per_operator_possible(work.model),
             on_trial=None if sync else on_trial,  # (under sync: the trials every rank agreed)
             adaptive=not sync,  # ranks in lockstep run the same steps: one more, always
         )
         probe = _distributed.trials_in_lockstep(  # (DDP, FSDP2)
             runner, model, sync=sync, modules=modules_referenced(spec.loss_fn, spec.step_fn)
         )
-        if work.optimizer is not None:
+        if work.optimizer is not None and not replay:
             _prime(work.optimizer, model, spec.min_batch, capacity, memory.name, sync)
         records: list[Trial] = runner.records
         if sync:

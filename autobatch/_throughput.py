@@ -78,7 +78,7 @@ class _Timer:
     """Times the step at one size: ``warmup`` steps, then ``repeats`` synchronised ones."""
 
     make_batch: Callable[[int], Batch]
-    step: Callable[[Batch], None]
+    step: Callable[[Batch], Any]
     memory: DeviceMemory
     cleanup: Callable[[], None]
     repeats: int

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autobatch._backends import DeviceMemory, free_memory
+from autobatch._batch import tensors
 from autobatch._log import get_logger, user_stacklevel
 from autobatch._measure import PeakKeeping, _curve, _StepPeaks
 from autobatch._oom import failure_kind
@@ -31,10 +32,10 @@ from autobatch._workload import (
     LossFn,
     OptimizerLike,
     StepFn,
+    TrainingStep,
     eager_view,
     is_compiled,
     make_optimizer,
-    make_step,
 )
 
 logger = get_logger("trial")
@@ -46,16 +47,27 @@ class Workload:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
-    step: Callable[[Batch], None]
+    step: TrainingStep
     memory: PeakKeeping
     compiled: bool = False  # the model has compiled parts
     measured_eager: bool = False  # ... and the trials run their eager originals
 
+    fresh_optimizer: bool = False  # the optimizer had no state when the search began
+
     def drop_gradients(self) -> None:
-        """Set every gradient to None: after a failed trial, and between trials."""
+        """Set every gradient to None, and let the last loss go: after a failed trial, and
+        between trials."""
+        self.step.forget()
         self.model.zero_grad(set_to_none=True)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+
+    def start_over(self) -> None:
+        """Before a trial that replays the user's first steps: gradients dropped, and the
+        optimizer's state, if the user's had none, dropped too (its first step makes it)."""
+        self.drop_gradients()
+        if self.optimizer is not None and self.fresh_optimizer:
+            self.optimizer.state.clear()
 
 
 @contextlib.contextmanager
@@ -95,10 +107,11 @@ def prepared(
     work = Workload(
         runs,
         made,
-        make_step(runs, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler),
+        TrainingStep(runs, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler),
         PeakKeeping(memory),
         compiled=compiled,
         measured_eager=compiled and under_mode,
+        fresh_optimizer=made is not None and not made.state,
     )
     try:
         if not train:
@@ -145,35 +158,46 @@ def attempt(run: Callable[[], None]) -> str | None:
     return None
 
 
-#: The most steps a trial adds to ``steps_per_trial`` while the reserved memory still grows.
+#: The fewest steps a trial runs where the allocator caches. Its blocks are cut anew in every
+#: step (a small block still held, the last step's loss, moves where the next ones go), so a
+#: layout that held in the second step can still run out in the fifth while the reserved
+#: memory never grew: a size fits when this many steps of the user's loop ran.
+CACHING_STEPS = 5
+
+#: The most steps a trial adds after those while the reserved memory still grows.
 MAX_STEADY_STEPS = 3
 
 
 class _SteadyState:
-    """Further steps of a trial, while the caching allocator's reserved memory still grows.
+    """Further steps of a trial where the allocator caches: at least up to
+    :data:`CACHING_STEPS` in all, then more while the reserved memory still grows.
 
     A caching allocator reserves segments in the first steps and serves later steps from them;
     a later step can still need a new segment (the cache is cut differently), and it is then
     that memory runs out. A step whose reserved peak stays within the earlier steps' is the
     steady state, and the trial stops there, or after :data:`MAX_STEADY_STEPS` more steps.
-    Without a caching allocator (``memory`` is ``None``) it runs nothing. Not ``adaptive``: one
-    more step, whatever it reserves (ranks that must run the same steps cannot each decide).
+    Without a caching allocator (``memory`` is ``None``) it runs nothing. Not ``adaptive``: the
+    required steps only, whatever they reserve (ranks that must run the same steps cannot each
+    decide).
     """
 
     def __init__(self, memory: DeviceMemory | None, adaptive: bool = True) -> None:
         self.memory = memory
-        self.limit = MAX_STEADY_STEPS if adaptive else 1
+        self.adaptive = adaptive
         self.extra = 0  # steps run here
         self.allocated = 0  # their highest allocated peak
         self.reserved: int | None = None  # the highest reserved peak of every step
 
-    def run(self, step: Callable[[], Any], reserved: int | None) -> None:
-        """Step until the reserved peak stops growing; ``reserved``: the first steps' peak."""
+    def run(self, step: Callable[[], Any], reserved: int | None, done: int = 1) -> None:
+        """Step to :data:`CACHING_STEPS` in all (``done`` ran already), then until the reserved
+        peak stops growing; ``reserved``: the first steps' peak."""
         memory = self.memory
         self.reserved = reserved
         if memory is None or reserved is None:
             return
-        while self.extra < self.limit:
+        required = max(CACHING_STEPS - done, 1)
+        limit = required + (MAX_STEADY_STEPS if self.adaptive else 0)
+        while self.extra < limit:
             memory.reset_peak()
             step()
             memory.synchronize()
@@ -182,7 +206,7 @@ class _SteadyState:
             peak = memory.peak_reserved_bytes()
             if peak is not None and peak > reserved:
                 self.reserved = reserved = peak
-            elif self.limit > 1:
+            elif self.extra >= required:
                 return  # steady: this step found room in what the earlier ones reserved
 
 
@@ -229,13 +253,26 @@ class TrialRunner:
     def _attempt(self, size: int, peaks: _StepPeaks, steady: _SteadyState) -> str | None:
         """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
 
+        batch: Batch = None
+
+        def next_step() -> None:
+            # A training loop's step (``x, y = x.to(device), y.to(device)``): the next batch
+            # made while the last one is still held, the last one's tensors let go in order,
+            # then the step.
+            nonlocal batch
+            last: list[torch.Tensor | None] = list(tensors(batch))
+            batch = None
+            batch = self.make_batch(size)
+            for i in range(len(last)):
+                last[i] = None
+            self.step(batch)
+
         def run() -> None:
             with peaks:
-                batch = self.make_batch(size)
                 for _ in range(self.steps_per_trial):
-                    self.step(batch)
+                    next_step()
                 self.memory.synchronize()
-            steady.run(lambda: self.step(batch), peaks.reserved)
+            steady.run(next_step, peaks.reserved, self.steps_per_trial)
 
         return attempt(run)
 
@@ -263,8 +300,8 @@ class TrialRunner:
             if steady.allocated > peak:  # a later step peaked higher: the parts miss it
                 peak, parts, phases, curve = steady.allocated, (), (), None
             reserved = steady.reserved
-        else:  # out of the except block: the failed attempt's tensors are gone
-            self.cleanup()
+        self.cleanup()  # nothing of a trial (its gradients, its last loss) outlives it
+        if error is not None:  # out of the except block: the failed attempt's tensors are gone
             free_memory(self.memory.device)
         record = Trial(
             size, error is None, peak, seconds, error, parts, phases, curve,

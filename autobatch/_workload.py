@@ -162,27 +162,41 @@ def language_model_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(predicted, tokens[:, 1:].flatten())
 
 
-def make_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    loss_fn: LossFn | None = None,
-    step_fn: StepFn | None = None,
-    train: bool = True,
-    scaler: Any = None,
-) -> Callable[[Batch], None]:
-    """The one step every front-end runs (finder, planner, throughput).
+class TrainingStep:
+    """The one step every front-end runs (finder, planner, throughput), as a training loop runs
+    it: ``step(batch)``.
 
     ``step_fn(model, batch)`` when given; otherwise zero_grad (``set_to_none``, as torch does by
     default), forward, loss, backward and the optimizer step (through ``scaler`` when given), or
-    a forward under ``torch.inference_mode()`` when ``train`` is False.
+    a forward under ``torch.inference_mode()`` when ``train`` is False. Like a loop's ``loss =
+    ...``, the step holds its loss (or what ``step_fn`` returned) until the next step's loss
+    replaces it; :meth:`forget` lets it go.
     """
 
-    def step(batch: Batch) -> None:
-        if step_fn is not None:
-            step_fn(model, batch)
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        loss_fn: LossFn | None = None,
+        step_fn: StepFn | None = None,
+        train: bool = True,
+        scaler: Any = None,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.loss_fn, self.step_fn, self.train, self.scaler = loss_fn, step_fn, train, scaler
+        self.loss: Any = None
+
+    def forget(self) -> None:
+        """Let the last step's loss go (before a trial, and after the last)."""
+        self.loss = None
+
+    def __call__(self, batch: Batch) -> None:
+        model, optimizer, scaler = self.model, self.optimizer, self.scaler
+        if self.step_fn is not None:
+            self.loss = self.step_fn(model, batch)
             return
-        if not train:
+        if not self.train:
             with torch.inference_mode():
                 call_model(model, batch)
             return
@@ -191,7 +205,7 @@ def make_step(
         else:
             model.zero_grad(set_to_none=True)
         output, target = call_model(model, batch)
-        loss = loss_of(output, target, loss_fn)
+        self.loss = loss = loss_of(output, target, self.loss_fn)
         del output
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -202,8 +216,6 @@ def make_step(
             loss.backward()
             if optimizer is not None:
                 optimizer.step()
-
-    return step
 
 
 def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Optimizer | None:
@@ -459,6 +471,10 @@ def batch_factory(sample: Sample, device: torch.device) -> Callable[[int], Batch
         raise ValueError("sample has no rows; give at least one example along dimension 0")
 
     def from_rows(n: int) -> Batch:
-        return _batch.move_batch(_batch.resize_batch(sample, n), device)
+        # As a loader does: the rows are put together in host memory (where nothing counts
+        # against the device, a simulated one included), then copied to the device.
+        with _disable_current_modes():
+            rows = _batch.resize_batch(sample, n)
+        return _batch.move_batch(rows, device, copy=True)
 
     return from_rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -97,3 +98,27 @@ def fits_two_steps(
     finally:
         model.zero_grad(set_to_none=True)
         model.load_state_dict(state)
+
+
+def fresh_loop_fits(
+    template: nn.Module, sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n: int,
+    capacity: int | str, *, steps: int = 5, **simulator: Any,
+) -> bool:
+    """Does a user's own plain loop train ``steps`` steps at batch ``n``: a fresh copy of
+    ``template`` on a fresh simulator, a fresh AdamW, and each step a new batch copied to the
+    device (``x, y = x.to(device), y.to(device)``), ``loss = ...`` held until the next one?"""
+    model = copy.deepcopy(template)
+    host = [sample(n) for _ in range(2)]  # the loader's batches, in host memory
+    try:
+        with SimulatedGPU(capacity, **simulator) as gpu:
+            gpu.adopt(model)
+            opt = torch.optim.AdamW(model.parameters())
+            for i in range(steps):
+                x, y = (t.clone() for t in host[i % 2])  # .to(device)
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+        return True
+    except torch.OutOfMemoryError:
+        return False

@@ -16,7 +16,7 @@ from autobatch._batch import resize_batch
 from autobatch._measure import per_operator_possible
 from autobatch._search import Trial
 from autobatch._trial import TrialRunner
-from autobatch._workload import make_step, prime_optimizer
+from autobatch._workload import TrainingStep, prime_optimizer
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS, mlp
 
@@ -30,11 +30,14 @@ def _runner(
     sample = WORKLOADS[name].sample(8)
     opt = torch.optim.Adam(model.parameters())
     prime_optimizer(opt)
+    step = TrainingStep(model, opt, loss_fn=CE)
+
+    def cleanup() -> None:
+        step.forget()  # (the last loss, held as a loop holds it)
+        model.zero_grad(set_to_none=True)
+
     runner = TrialRunner(
-        lambda n: resize_batch(sample, n),
-        make_step(model, opt, loss_fn=CE),
-        memory_for("cpu"),
-        cleanup=lambda: model.zero_grad(set_to_none=True),
+        lambda n: resize_batch(sample, n), step, memory_for("cpu"), cleanup=cleanup,
         per_operator=per_operator,
     )
     return runner, opt
@@ -182,37 +185,37 @@ MiB = 1 << 20
 def _growing_runner(steps_per_trial: int = 1) -> TrialRunner:
     """A trial whose k-th step at size n holds an n*k MiB tensor for a moment: every step
     needs a larger segment than the one before, so the reserved memory keeps growing."""
-    steps = [0]  # of the current trial: each trial makes its batch once, first
-
-    def make_batch(n: int) -> torch.Tensor:
-        steps[0] = 0  # (not keyed by id(batch): a new batch may reuse a freed one's id)
-        return torch.zeros(n, 1)
+    steps = [0]  # of the current trial (the runner's cleanup starts every trial)
 
     def step(batch: torch.Tensor) -> None:
         steps[0] += 1
         torch.empty(len(batch) * steps[0] * MiB, dtype=torch.uint8).fill_(1)
 
     return TrialRunner(
-        make_batch, step, memory_for("cpu"), steps_per_trial=steps_per_trial, per_operator=False
+        lambda n: torch.zeros(n, 1), step, memory_for("cpu"), steps_per_trial=steps_per_trial,
+        per_operator=False, cleanup=lambda: steps.__setitem__(0, 0),
     )
 
 
 def test_a_trial_steps_until_the_reserved_memory_stops_growing() -> None:
-    with SimulatedGPU("64MiB", allocator="caching"):
+    from autobatch._trial import CACHING_STEPS, MAX_STEADY_STEPS
+
+    with SimulatedGPU("1GiB", allocator="caching"):
         runner = _growing_runner()
-        grows = runner(10)  # 10, 20, 30 MiB segments cached, then 40 after releasing them
+        grows = runner(10)  # 10, 20, ..., 80 MiB: a new segment every step
         steady = TrialRunner(
             lambda n: torch.zeros(n, 1),
             lambda b: torch.empty(len(b) * MiB, dtype=torch.uint8).fill_(1),
             memory_for("cpu"), per_operator=False,
         )(10)
     assert grows.fits
-    assert grows.steps == 4  # the first, and three more while the reserved peak grew (the cap)
-    # the batch (one 512-byte block) is in a 2 MiB small-pool segment
-    assert grows.reserved_bytes == (10 + 20 + 30 + 2) * MiB
-    assert grows.peak_bytes == 40 * MiB + 512  # the last step's tensor, the largest
+    # the steps of a loop a size must survive, then three more while the reserved peak grew
+    assert grows.steps == CACHING_STEPS + MAX_STEADY_STEPS == 8
+    # every segment stays cached (the batches, 512-byte blocks, share a 2 MiB small segment)
+    assert grows.reserved_bytes == (sum(range(10, 90, 10)) + 2) * MiB
+    assert grows.peak_bytes == 80 * MiB + 512  # the last step's tensor, the largest
     assert steady.fits
-    assert steady.steps == 2  # the second step reused the first one's segment
+    assert steady.steps == CACHING_STEPS  # every later step reused the first one's segment
     assert (steady.peak_bytes, steady.reserved_bytes) == (10 * MiB + 512, 12 * MiB)
 
 

@@ -33,10 +33,10 @@ from autobatch._workload import (
     OptimizerLike,
     Sample,
     StepFn,
+    TrainingStep,
     collated,
     is_compiled,
     make_optimizer,
-    make_step,
     prime_optimizer,
     without_compiled,
 )
@@ -326,7 +326,7 @@ class _MetaSetup:
             module.register_forward_hook(functools.partial(self._leave, label))
         if not train:
             self.model.eval()
-        self.step = make_step(
+        self.step = TrainingStep(
             self.model, self.optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train
         )
         self.ledger = _PlanLedger(block_bytes, frozenset({"cpu"} if real else {"meta", device_type}))
@@ -416,6 +416,7 @@ class _MetaSetup:
             try:
                 self.step(batch)
             finally:
+                self.step.forget()  # (one step at a time is planned)
                 ledger.record_peak = False
         return ledger.peak_bytes
 

@@ -1,0 +1,118 @@
+"""Sizes that hold in the user's own loop under CUDA's caching allocator.
+
+The truth for a size is a plain training loop in a fresh simulator, with a fresh model and a
+fresh AdamW (:func:`_models.fresh_loop_fits`), never the finder's own trials. Under the caching
+allocator where a tensor lies matters as much as its bytes: the optimizer's state made by the
+first real step (not up front), a new batch each step, the last loss still held.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from _models import fresh_loop_fits
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from autobatch import BatchSizeError, search_batch_size
+from autobatch._trial import CACHING_STEPS
+from autobatch.testing import SimulatedGPU
+from autobatch.testing.models import conv_net, mlp, transformer
+
+CE = nn.functional.cross_entropy
+
+
+def _vectors(n: int, inputs: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, inputs), torch.randint(0, 10, (n,))
+
+
+def _images(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+
+
+def _tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randint(0, 1000, (n, 32)), torch.randint(0, 10, (n,))
+
+
+CASES: dict[str, tuple[Any, Any, str]] = {
+    "mlp": (mlp, _vectors, "6MiB"),
+    "conv": (conv_net, _images, "24MiB"),
+    "transformer": (transformer, _tokens, "24MiB"),
+}
+
+
+def _found(template: nn.Module, sample: Any, capacity: Any, **simulator: Any) -> Any:
+    model = copy.deepcopy(template)
+    rows = sample(4)  # the user's sample, in host memory
+    with SimulatedGPU(capacity, allocator="caching", **simulator) as gpu:
+        gpu.adopt(model)
+        return search_batch_size(model, rows, torch.optim.AdamW, loss_fn=CE, headroom=0)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_largest_size_trains_in_a_fresh_loop_and_one_more_does_not(
+    name: str, expandable: bool
+) -> None:
+    make, sample, capacity = CASES[name]
+    torch.manual_seed(0)
+    template = make()
+    result = _found(template, sample, capacity, expandable_segments=expandable)
+    n = result.max_batch_size
+    simulator = {"allocator": "caching", "expandable_segments": expandable}
+    assert fresh_loop_fits(template, sample, n, capacity, steps=CACHING_STEPS, **simulator)
+    assert not fresh_loop_fits(template, sample, n + 1, capacity, steps=CACHING_STEPS, **simulator)
+    assert all(t.steps >= CACHING_STEPS for t in result.trials if t.fits)
+
+
+def test_23_1_the_optimizer_state_is_made_by_a_real_first_step() -> None:
+    """Made up front on an empty device, AdamW's state lay where the user's first step never
+    puts it, and sizes that fail in the second step of a fresh loop were reported. The trials
+    now leave a fresh optimizer fresh: its first step makes the state, after the first
+    backward, and the search puts it back empty."""
+    torch.manual_seed(0)
+    template = mlp()
+    model = copy.deepcopy(template)
+    rows = _vectors(4)
+    opt = torch.optim.AdamW(model.parameters())
+    with SimulatedGPU("6MiB", allocator="caching") as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, rows, opt, loss_fn=CE, headroom=0)
+    assert not opt.state  # fresh before, fresh after
+    n = result.max_batch_size
+    assert fresh_loop_fits(template, _vectors, n, "6MiB", allocator="caching")
+    assert not fresh_loop_fits(template, _vectors, n + 1, "6MiB", allocator="caching")
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    width=st.sampled_from([32, 64, 96, 128, 200, 256]),
+    depth=st.integers(1, 4),
+    inputs=st.sampled_from([16, 64, 128]),
+    mebibytes=st.integers(4, 24),
+    expandable=st.booleans(),
+)
+def test_under_caching_the_largest_size_trains_five_steps_and_one_more_does_not(
+    width: int, depth: int, inputs: int, mebibytes: int, expandable: bool
+) -> None:
+    torch.manual_seed(0)
+    template = mlp(width=width, depth=depth, inputs=inputs)
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _vectors(n, inputs)
+
+    capacity = mebibytes << 20
+    simulator = {"allocator": "caching", "expandable_segments": expandable}
+    try:
+        result = _found(template, sample, capacity, expandable_segments=expandable)
+    except BatchSizeError:
+        assert not fresh_loop_fits(template, sample, 1, capacity, **simulator)
+        return
+    n = result.max_batch_size
+    assert fresh_loop_fits(template, sample, n, capacity, **simulator)
+    assert not fresh_loop_fits(template, sample, n + 1, capacity, **simulator)
