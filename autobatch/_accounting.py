@@ -224,7 +224,7 @@ class CountingMode(DispatchMode):
             if (
                 _storage_key(storage) in input_keys
                 and storage not in self.ledger
-                and func is not _LIFT_FRESH
+                and func is not LIFT_FRESH
             ):
                 continue  # a view of a tensor this ledger does not own
             added += self.ledger.add(storage)
@@ -237,7 +237,7 @@ class CountingMode(DispatchMode):
 
 # ``torch.tensor(data)`` builds its tensor below the dispatcher and hands it to ``lift_fresh``:
 # the input of that operator is a new allocation, not a tensor that existed before.
-_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
 #: Operators that write arguments their schema does not mark: name -> the written arguments

@@ -17,12 +17,28 @@ import gc
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 DeviceLike = torch.device | str | int | None
+
+
+class AllocationModel(Protocol):
+    """A caching allocator's state, copied: what would happen to storages allocated from it."""
+
+    #: The bytes it may reserve in all.
+    limit: int
+
+    def replay(self, events: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
+        """Allocate and free storages in order (``(serial, nbytes)``, ``-1`` for a death) on a
+        copy; its allocated and reserved peaks, or ``None`` when it ran out of memory."""
+        ...
+
+    def blocks(self) -> list[tuple[int, int, str, bool]]:
+        """Every block, by address (the layout, to tell two states apart)."""
+        ...
 
 
 class DeviceMemory(ABC):
@@ -97,6 +113,12 @@ class DeviceMemory(ABC):
         (``num_alloc_retries``), read as cheaply as the backend allows; ``None`` where the
         backend keeps no such count. A count that rises step after step is thrashing: every
         step frees the cache and rebuilds it, slowly, and an OOM is near."""
+        return None
+
+    def allocation_model(self) -> AllocationModel | None:
+        """A model of the caching allocator as it is now, which replays storages exactly as
+        the device would place them (see :class:`AllocationModel`); ``None`` where the backend
+        has none (a real device, whose layout cannot be copied)."""
         return None
 
     def uncounted_bytes(self, objects: Iterable[Any]) -> int:

@@ -17,9 +17,10 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from autobatch._accounting import DispatchMode
-from autobatch._backends import DeviceMemory
+from autobatch._accounting import LIFT_FRESH, DispatchMode
+from autobatch._backends import AllocationModel, DeviceMemory
 from autobatch._oom import failure_kind
+from autobatch._search import Verdicts
 
 
 class PeakKeeping(DeviceMemory):
@@ -75,6 +76,9 @@ class PeakKeeping(DeviceMemory):
 
     def alloc_retries(self) -> int | None:
         return self.inner.alloc_retries()
+
+    def allocation_model(self) -> AllocationModel | None:
+        return self.inner.allocation_model()
 
     def uncounted_bytes(self, objects: Iterable[Any]) -> int:
         return self.inner.uncounted_bytes(objects)
@@ -234,8 +238,8 @@ class _OperatorMode(DispatchMode):
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.close()
         out = func(*args, **kwargs)
-        if self.storages is not None:
-            self.storages.born(out, (args, kwargs))
+        if self.storages is not None:  # (lift_fresh's input is itself new: torch.tensor(data))
+            self.storages.born(out, () if func is LIFT_FRESH else (args, kwargs))
         return out
 
 
@@ -308,6 +312,59 @@ def _storage_keys(values: Any) -> set[int]:
     return keys
 
 
+def _lines(
+    first: tuple[int, list[tuple[int, int, int]]], second: tuple[int, list[tuple[int, int, int]]]
+) -> dict[int, tuple[int, int]] | None:
+    """Each storage's bytes as a line in the size, ``serial -> (slope, offset)``, from two
+    trials' events (``(size, events)``, alike but for sizes); ``None`` when one is not."""
+    (n1, events1), (n2, events2) = first, second
+    if n1 == n2 or len(events1) != len(events2):
+        return None
+    lines: dict[int, tuple[int, int]] = {}
+    for (_, serial, a), (_, _, b) in zip(events1, events2, strict=True):
+        if a < 0:
+            continue
+        slope, rest = divmod(b - a, n2 - n1)
+        if rest:
+            return None  # not affine in the size
+        lines[serial] = (slope, a - slope * n1)
+    return lines
+
+
+def _sizes(lines: dict[int, tuple[int, int]], n: int) -> Callable[[int], int]:
+    def size(serial: int) -> int:
+        slope, offset = lines[serial]
+        raw = slope * n + offset
+        if raw < 0:
+            raise ValueError(f"a storage would have {raw} bytes at size {n}")
+        return raw
+
+    return size
+
+
+def _running_peak(
+    lines: dict[int, tuple[int, int]], order: list[tuple[int, bool]], base: int, block: int
+) -> Callable[[int], int]:
+    """The highest total of live storages, each rounded up to ``block``, over ``order``
+    (``(serial, died)``) at any size, from ``base`` bytes resident."""
+
+    def peak(n: int) -> int:
+        size = _sizes(lines, n)
+        live: dict[int, int] = {}
+        total = highest = base
+        for serial, died in order:
+            if died:
+                total -= live.pop(serial, 0)
+            else:
+                rounded = -(-size(serial) // block) * block
+                live[serial] = rounded
+                total += rounded
+                highest = max(highest, total)
+        return highest
+
+    return peak
+
+
 def _curve(
     trials: list[tuple[int, int, list[tuple[int, int, int]], int]], block: int
 ) -> Callable[[int], int] | None:
@@ -316,38 +373,57 @@ def _curve(
     one is not), every storage is rounded up to ``block``, and the peak is the highest the
     running total reaches. ``None`` unless it gives both trials' measured peaks exactly."""
     (n1, base1, events1, peak1), (n2, base2, events2, peak2) = trials[-2:]
-    if base1 != base2 or n1 == n2:
+    if base1 != base2:
         return None
-    lines: dict[int, tuple[int, int]] = {}
-    for (_, serial, a), (_, _, b) in zip(events1, events2, strict=True):
-        if a < 0:
-            continue
-        slope, rest = divmod(b - a, n2 - n1)
-        if rest:
-            return None  # not affine in the size: no storage-exact curve
-        lines[serial] = (slope, a - slope * n1)
-    order = [(serial, nbytes < 0) for _, serial, nbytes in events1]
-
-    def peak(n: int) -> int:
-        live: dict[int, int] = {}
-        total = highest = base1
-        for serial, died in order:
-            if died:
-                total -= live.pop(serial, 0)
-            else:
-                slope, offset = lines[serial]
-                raw = slope * n + offset
-                if raw < 0:
-                    raise ValueError(f"a storage would have {raw} bytes at size {n}")
-                size = -(-raw // block) * block
-                live[serial] = size
-                total += size
-                highest = max(highest, total)
-        return highest
-
+    lines = _lines((n1, events1), (n2, events2))
+    if lines is None:
+        return None
+    peak = _running_peak(lines, [(serial, nbytes < 0) for _, serial, nbytes in events1], base1, block)
     if peak(n1) != peak1 or peak(n2) != peak2:
         return None
     return peak
+
+
+def _replayed_curve(
+    first: tuple[int, int, list[tuple[int, int, int]], int],
+    second: tuple[int, int, list[tuple[int, int, int]], int],
+    model: AllocationModel,
+) -> Verdicts | None:
+    """Which sizes fit, and their peaks, from two trials' storage events (``(size, base,
+    events, peak)``, alike but for sizes) replayed through a copy of the caching allocator as
+    it was when both began (``model``): each storage's bytes are a line in the size, and the
+    copy places them as the device does, segments and block pools included. Its ceiling is
+    the largest size whose storages, packed without a gap, stay within the allocator's limit:
+    no larger size can fit. ``None`` unless the replay gives both trials' measured peaks
+    exactly."""
+    (n1, base, events1, peak1), (n2, _, events2, peak2) = first, second
+    lines = _lines((n1, events1), (n2, events2))
+    if lines is None:
+        return None
+    order = [(serial, nbytes < 0) for _, serial, nbytes in events1]
+
+    def replay(n: int) -> int | None:
+        size = _sizes(lines, n)
+        found = model.replay((serial, -1 if died else size(serial)) for serial, died in order)
+        return None if found is None else found[0]
+
+    packed = _running_peak(lines, order, base, 512)  # (no block is smaller than its request)
+    try:  # (a line that goes below 0 bytes further out is no line: ValueError)
+        high = max(n1, n2)
+        if packed(high) > model.limit:
+            return None  # (a trial that fit cannot be over the limit: the events miss some)
+        while packed(2 * high) <= model.limit and high < 2**40:
+            high *= 2
+        low, high = high, 2 * high  # packed(low) within the limit, packed(high) over it
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if packed(middle) <= model.limit else (low, middle)
+        curve = Verdicts(replay, ceiling=low)
+        if curve.peak_at(n1) != peak1 or curve.peak_at(n2) != peak2:
+            return None
+    except ValueError:
+        return None
+    return curve
 
 
 class _PhasePeaks(_StepPeaks):

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from autobatch._backends import DeviceMemory, free_memory
+from autobatch._backends import AllocationModel, DeviceMemory, free_memory
 from autobatch._batch import tensors
 from autobatch._log import get_logger, user_stacklevel
-from autobatch._measure import PeakKeeping, _curve, _StepPeaks
+from autobatch._measure import PeakKeeping, _curve, _replayed_curve, _StepPeaks
 from autobatch._oom import failure_kind
 from autobatch._search import Trial
 from autobatch._state import Snapshot, modules_referenced
@@ -169,16 +169,15 @@ MAX_STEADY_STEPS = 3
 
 
 class _SteadyState:
-    """Further steps of a trial where the allocator caches: at least up to
-    :data:`CACHING_STEPS` in all, then more while the reserved memory still grows.
+    """Further steps of a trial where the allocator caches, while its reserved memory still
+    grows at the end of the :data:`CACHING_STEPS` steps every such trial runs.
 
     A caching allocator reserves segments in the first steps and serves later steps from them;
     a later step can still need a new segment (the cache is cut differently), and it is then
-    that memory runs out. A step whose reserved peak stays within the earlier steps' is the
-    steady state, and the trial stops there, or after :data:`MAX_STEADY_STEPS` more steps.
-    Without a caching allocator (``memory`` is ``None``) it runs nothing. Not ``adaptive``: the
-    required steps only, whatever they reserve (ranks that must run the same steps cannot each
-    decide).
+    that memory runs out. Where the last of the steps every trial runs reserved more than the
+    ones before it, the trial goes on while each step still reserves more, for at most
+    :data:`MAX_STEADY_STEPS` steps. Without a caching allocator (``memory`` is ``None``), or
+    not ``adaptive`` (ranks that must run the same steps cannot each decide), it runs nothing.
     """
 
     def __init__(self, memory: DeviceMemory | None, adaptive: bool = True) -> None:
@@ -188,26 +187,23 @@ class _SteadyState:
         self.allocated = 0  # their highest allocated peak
         self.reserved: int | None = None  # the highest reserved peak of every step
 
-    def run(self, step: Callable[[], Any], reserved: int | None, done: int = 1) -> None:
-        """Step to :data:`CACHING_STEPS` in all (``done`` ran already), then until the reserved
-        peak stops growing; ``reserved``: the first steps' peak."""
+    def run(self, step: Callable[[], Any], reserved: int | None, grew: bool) -> None:
+        """Step while the reserved peak grows; ``reserved``: the steps' peak so far, ``grew``:
+        whether the last of them raised it."""
         memory = self.memory
         self.reserved = reserved
-        if memory is None or reserved is None:
+        if memory is None or reserved is None or not self.adaptive or not grew:
             return
-        required = max(CACHING_STEPS - done, 1)
-        limit = required + (MAX_STEADY_STEPS if self.adaptive else 0)
-        while self.extra < limit:
+        while self.extra < MAX_STEADY_STEPS:
             memory.reset_peak()
             step()
             memory.synchronize()
             self.extra += 1
             self.allocated = max(self.allocated, memory.peak_bytes())
             peak = memory.peak_reserved_bytes()
-            if peak is not None and peak > reserved:
-                self.reserved = reserved = peak
-            elif self.extra >= required:
+            if peak is None or peak <= reserved:
                 return  # steady: this step found room in what the earlier ones reserved
+            self.reserved = reserved = peak
 
 
 class TrialRunner:
@@ -250,8 +246,11 @@ class TrialRunner:
         self.records: list[Trial] = []
         self._storage_trials: list[Any] = []  # (size, base, events, peak, shape) of fits
 
-    def _attempt(self, size: int, peaks: _StepPeaks, steady: _SteadyState) -> str | None:
-        """Runs the trial; returns None, or the kind of a batch-size-dependent failure."""
+    def _attempt(
+        self, size: int, peaks: _StepPeaks, steady: _SteadyState, watched: int
+    ) -> str | None:
+        """Runs the trial (``watched`` steps inside ``peaks``, then ``steady``'s); returns
+        None, or the kind of a batch-size-dependent failure."""
 
         batch: Batch = None
 
@@ -268,11 +267,14 @@ class TrialRunner:
             self.step(batch)
 
         def run() -> None:
+            before: int | None = None
             with peaks:
-                for _ in range(self.steps_per_trial):
+                for _ in range(watched):  # (before: the reserved peak before the last step)
+                    before = max(peaks.reserved or 0, self.memory.peak_reserved_bytes() or 0)
                     next_step()
                 self.memory.synchronize()
-            steady.run(next_step, peaks.reserved, self.steps_per_trial)
+            grew = peaks.reserved is not None and (before is None or peaks.reserved > before)
+            steady.run(next_step, peaks.reserved, grew and watched > 1)
 
         return attempt(run)
 
@@ -284,8 +286,11 @@ class TrialRunner:
         self.memory.reset_peak()
         peaks = _StepPeaks(self.memory, per_operator=self.per_operator)
         steady = _SteadyState(self.memory if caches else None, self.adaptive)
+        model = self.memory.allocation_model() if caches and peaks.storages is not None else None
+        # where the allocator caches, the steps a size must survive are all watched
+        watched = max(self.steps_per_trial, CACHING_STEPS) if caches else self.steps_per_trial
         start = time.perf_counter()
-        error = self._attempt(size, peaks, steady)
+        error = self._attempt(size, peaks, steady, watched)
         seconds = time.perf_counter() - start
         events = None if peaks.storages is None else list(peaks.storages.events)
         peak: int | None = None
@@ -295,8 +300,10 @@ class TrialRunner:
         curve: Callable[[int], int] | None = None
         if error is None and self.memory.has_statistics:
             peak, parts, phases = peaks.peak, peaks.parts(), peaks.phases()
-            if events is not None and peaks.storages is not None and peaks.storages.exact:
-                curve = self._storage_curve(size, peaks.base, events, peak)
+            if events is not None and peaks.storages is not None and peaks.storages.exact and (
+                not steady.extra  # (the steps past those watched are not in the events)
+            ):
+                curve = self._storage_curve(size, peaks.base, events, peak, model)
             if steady.allocated > peak:  # a later step peaked higher: the parts miss it
                 peak, parts, phases, curve = steady.allocated, (), (), None
             reserved = steady.reserved
@@ -305,7 +312,7 @@ class TrialRunner:
             free_memory(self.memory.device)
         record = Trial(
             size, error is None, peak, seconds, error, parts, phases, curve,
-            reserved_bytes=reserved, steps=self.steps_per_trial + steady.extra,
+            reserved_bytes=reserved, steps=watched + steady.extra,
         )
         self.records.append(record)
         logger.info("%s", record)
@@ -314,16 +321,27 @@ class TrialRunner:
         return record
 
     def _storage_curve(
-        self, size: int, base: int, events: list[tuple[int, int, int]], peak: int
+        self, size: int, base: int, events: list[tuple[int, int, int]], peak: int,
+        model: AllocationModel | None = None,
     ) -> Callable[[int], int] | None:
         """The peak at any size from this trial's storages and an earlier trial's whose
-        operators created and freed them alike (see :func:`_curve`), with the allocator's
-        512-byte blocks, or whole bytes; ``None`` when neither gives both peaks exactly."""
-        shape = tuple((segment, serial, nbytes >= 0) for segment, serial, nbytes in events)
+        operators created and freed them alike: replayed through ``model``, the caching
+        allocator as it was when both began (see :func:`_replayed_curve`), or else with the
+        allocator's 512-byte blocks, or whole bytes (see :func:`_curve`); ``None`` when none
+        gives both peaks exactly."""
+        shape = (
+            tuple((segment, serial, nbytes >= 0) for segment, serial, nbytes in events),
+            None if model is None else tuple(model.blocks()),
+        )
         record = (size, base, events, peak)
         earlier = [r for r in self._storage_trials if r[0] != size and r[4] == shape]
         self._storage_trials = [*self._storage_trials[-3:], (*record, shape)]
         for other in reversed(earlier):
+            if model is not None:
+                replayed = _replayed_curve(other[:4], record, model)
+                if replayed is not None:
+                    return replayed
+                continue
             for block in (512, 1):
                 curve = _curve([other[:4], record], block)
                 if curve is not None:

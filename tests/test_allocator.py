@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autobatch.testing._allocator import (
+from autobatch.testing._allocator import CachingAllocator
+from autobatch.testing._blocks import (
     LARGE_BUFFER,
     SMALL_SIZE,
     AllocatorOutOfMemory,
     Block,
-    CachingAllocator,
     allocation_size,
     round_size,
 )

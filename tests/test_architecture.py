@@ -122,12 +122,6 @@ def _loops(graph: dict[str, set[str]]) -> list[set[str]]:
     return loops
 
 
-#: The allocator model and its counters import each other (the counters name the allocator's
-#: type, under ``if TYPE_CHECKING:``). Putting them in one place is done on the branch that
-#: rewrites the allocator; until it is merged this one loop is expected (see the xfail below).
-KNOWN_LOOP = {"autobatch.testing._allocator", "autobatch.testing._segments"}
-
-
 def test_loops_are_found_through_lazy_and_type_only_imports() -> None:
     assert _loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert _loops({"a": {"b"}, "b": set()}) == []
@@ -138,17 +132,8 @@ def test_loops_are_found_through_lazy_and_type_only_imports() -> None:
 
 
 def test_no_import_loop() -> None:
-    loops = [loop for loop in _loops(GRAPH) if loop != KNOWN_LOOP]
+    loops = _loops(GRAPH)
     assert not loops, "import loops: " + "; ".join(" <-> ".join(sorted(m)) for m in loops)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="testing/_allocator <-> testing/_segments: one module after the allocator's rewrite "
-    "is merged; then remove this marker and KNOWN_LOOP",
-)
-def test_no_import_loop_in_the_allocator_model() -> None:
-    assert KNOWN_LOOP not in _loops(GRAPH)
 
 
 def test_recovery_engine_imports_none_of_its_front_ends() -> None:

@@ -205,6 +205,40 @@ def fit_linear(
     return None if found is None else found.model
 
 
+#: What a :class:`Verdicts` curve gives at a size that does not fit, whatever the capacity.
+OUT_OF_MEMORY = 1 << 62
+
+
+class Verdicts:
+    """A probe's curve that knows which sizes fit, not only their peaks (a caching
+    allocator's replay: there a size fails where a segment runs out, which no peak tells):
+    the peak at a size that fits, :data:`OUT_OF_MEMORY` at one that does not. Each size is
+    worked out once. Fitting need not be monotone there (a size fails where its tensors just
+    pass a pool's threshold, and a larger one fits): the largest that fits is looked for below
+    its ``ceiling``, above which nothing can.
+
+    >>> curve = Verdicts(lambda n: 100 * n if n <= 7 else None)
+    >>> curve(7), curve(8) == OUT_OF_MEMORY, curve.peak_at(8)
+    (700, True, None)
+    """
+
+    def __init__(self, peak: Callable[[int], int | None], ceiling: int | None = None) -> None:
+        self._peak = peak
+        self._known: dict[int, int | None] = {}
+        #: No size above this fits (``None``: unknown).
+        self.ceiling = ceiling
+
+    def peak_at(self, n: int) -> int | None:
+        """The peak at ``n``, or ``None`` when ``n`` does not fit."""
+        if n not in self._known:
+            self._known[n] = self._peak(n)
+        return self._known[n]
+
+    def __call__(self, n: int) -> int:
+        peak = self.peak_at(n)
+        return OUT_OF_MEMORY if peak is None else peak
+
+
 def trusted_curve(
     trials: Sequence[Trial], capacity_bytes: int | None
 ) -> Callable[[int], int] | None:
@@ -227,7 +261,10 @@ def trusted_curve(
                 return None
             if not trial.fits and trial.error is not None and "size_limit" in trial.error:
                 continue  # not a matter of memory: the curve cannot say
-            if not trial.fits and curve(trial.size) <= capacity_bytes:
+            if not trial.fits and (
+                curve.peak_at(trial.size) is not None if isinstance(curve, Verdicts)
+                else curve(trial.size) <= capacity_bytes
+            ):
                 return None
     except (ArithmeticError, ValueError):
         return None

@@ -10,9 +10,11 @@ from typing import Protocol
 
 from autobatch._search._model import (
     _SHARP_SPREAD,
+    OUT_OF_MEMORY,
     UNBOUNDED_MAX_SIZE,
     LinearModel,
     Trial,
+    Verdicts,
     _binding,
     _Fit,
     _fit,
@@ -24,6 +26,9 @@ from autobatch._validate import check_int
 
 #: Guided trials after the first failure under a caching allocator, before bisecting.
 _CACHING_GUIDED = 3
+#: The most sizes a :class:`Verdicts` curve is asked, from its ceiling down, for the largest
+#: that fits.
+_MAX_VERDICTS = 256
 
 logger = logging.getLogger("autobatch.search")
 
@@ -229,11 +234,14 @@ class ModelGuided:
             if state.prior is not None:
                 return state.prior.largest_within(capacity)
             return self.first_size
-        if self._segment_bound(state):
-            return self.fallback.next_size(state)  # bisects the bracket
         curve = trusted_curve(state.trials, capacity)
         if curve is not None:
-            return self._curve_size(state, curve, capacity)
+            try:
+                return self._curve_size(state, curve, capacity)
+            except (ArithmeticError, ValueError):
+                pass  # (its lines break down further out, a storage's bytes below 0: not used)
+        if self._segment_bound(state):
+            return self.fallback.next_size(state)  # bisects the bracket
         points, straight = _binding(state.trials, capacity)
         if not points:
             if state.largest_fit is None:  # only failures so far: get a measured point cheaply
@@ -264,6 +272,18 @@ class ModelGuided:
         low = state.below()
         upper = state.above()
         cap = self._cap(state, UNBOUNDED_MAX_SIZE if upper is None else upper - step)
+        if isinstance(curve, Verdicts):  # it knows which sizes fit: no capacity to compare with
+            capacity = OUT_OF_MEMORY - 1
+            if curve.ceiling is not None:  # the largest that fits, gaps below it or not
+                size = min(cap, curve.ceiling) // step * step
+                for _ in range(_MAX_VERDICTS):
+                    if size <= low or curve.peak_at(size) is not None:
+                        break
+                    size -= step
+                else:
+                    size = low  # (too far below the ceiling: as if fitting were monotone)
+                if size > low and curve.peak_at(size) is not None:
+                    return size
         best = _largest_within(curve, capacity, low, cap, step)
         return best if best > low else low + step
 

@@ -17,175 +17,28 @@ splitting and merging touch only neighbours.
 
 from __future__ import annotations
 
+import copy
 import threading
-from bisect import bisect_left, insort
-from collections.abc import Iterator
-from dataclasses import dataclass
+from bisect import bisect_left
+from collections.abc import Iterable
 
-from autobatch.testing._segments import memory_stats
+from autobatch.testing._blocks import (
+    LARGE_BUFFER,
+    MIN_BLOCK_SIZE,
+    SHIFT,
+    SMALL_SIZE,
+    UNLIMITED,
+    AllocatorOutOfMemory,
+    Block,
+    Pool,
+    Segment,
+    Stat,
+    allocation_size,
+    round_size,
+)
 
-#: ``kMinBlockSize``: every request is rounded up to a multiple of 512 bytes (512 at least).
-MIN_BLOCK_SIZE = 512
-#: ``kSmallSize``: requests up to 1 MiB (after rounding) come from the small pool.
-SMALL_SIZE = 1 << 20
-#: ``kSmallBuffer``: the small pool's segments are 2 MiB; also its expandable page size.
-SMALL_BUFFER = 2 << 20
-#: ``kLargeBuffer``: large requests under ``MIN_LARGE_ALLOC`` get a 20 MiB segment; also the
-#: large pool's expandable page size and the default ``max_non_split_rounding_mb``.
-LARGE_BUFFER = 20 << 20
-#: ``kMinLargeAlloc``: from 10 MiB on, a new segment is the request rounded to ``ROUND_LARGE``.
-MIN_LARGE_ALLOC = 10 << 20
-#: ``kRoundLarge``: large segments are multiples of 2 MiB.
-ROUND_LARGE = 2 << 20
-#: ``max_split_size`` when not configured (``std::numeric_limits<size_t>::max()`` in the source).
-UNLIMITED = 1 << 63
-
-_SHIFT = 64
-_ADDRESS = (1 << _SHIFT) - 1
-
-
-def round_size(nbytes: int) -> int:
-    """The block size the allocator hands out for a request of ``nbytes`` (``round_size``).
-
-    >>> round_size(1), round_size(512), round_size(513), round_size(3 << 20)
-    (512, 512, 1024, 3145728)
-    """
-    if nbytes < MIN_BLOCK_SIZE:
-        return MIN_BLOCK_SIZE
-    return -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
-
-
-def allocation_size(size: int) -> int:
-    """The size of the segment reserved for a rounded request of ``size`` (``get_allocation_size``).
-
-    >>> [allocation_size(n) >> 20 for n in (512, 1 << 20, (1 << 20) + 512, 10 << 20, 11 << 20)]
-    [2, 2, 20, 10, 12]
-    """
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return -(-size // ROUND_LARGE) * ROUND_LARGE
-
-
-class AllocatorOutOfMemory(Exception):
-    """A request the allocator could not place even after releasing its cache.
-
-    Carries what CUDA's out-of-memory message reports: the allocation it tried (a whole
-    segment's size, ``alloc_size`` in the source, not the request), the bytes allocated and
-    reserved, and the device memory left free, all taken after the cache was released.
-    """
-
-    def __init__(self, size: int, alloc_size: int, allocated: int, reserved: int, free: int):
-        super().__init__(f"cannot allocate {size} bytes (a {alloc_size}-byte segment)")
-        self.size = size
-        self.alloc_size = alloc_size
-        self.allocated = allocated
-        self.reserved = reserved
-        self.free = free
-
-
-@dataclass(slots=True, eq=False, repr=False)
-class Block:
-    """A piece of a segment: allocated, free (cached) or, in an expandable segment, unmapped."""
-
-    address: int
-    size: int
-    pool: _Pool
-    segment: _Segment
-    mapped: bool = True
-    requested: int = 0  # the bytes asked for, while allocated
-    allocated: bool = False
-    prev: Block | None = None
-    next: Block | None = None
-
-    def __repr__(self) -> str:
-        state = "allocated" if self.allocated else "free" if self.mapped else "unmapped"
-        return f"Block({self.address:#x}, {self.size}, {state})"
-
-    def split(self, size: int) -> Block:
-        """Keep the first ``size`` bytes; the rest becomes the next block of the segment (as
-        mapped as this one), returned."""
-        rest = Block(self.address + size, self.size - size, self.pool, self.segment, self.mapped)
-        following = self.next
-        rest.prev, rest.next = self, following
-        if following is not None:
-            following.prev = rest
-        self.next = rest
-        self.size = size
-        return rest
-
-
-class _Segment:
-    """One ``cudaMalloc`` (or one expandable segment's address range) and its first block."""
-
-    __slots__ = ("base", "expandable", "head", "pool", "size")
-
-    def __init__(self, base: int, size: int, pool: _Pool, expandable: bool) -> None:
-        self.base = base
-        self.size = size
-        self.pool = pool
-        self.expandable = expandable
-        self.head = Block(base, size, pool, self, mapped=not expandable)
-
-    def blocks(self) -> Iterator[Block]:
-        block: Block | None = self.head
-        while block is not None:
-            yield block
-            block = block.next
-
-
-class _Stat:
-    """One of CUDA's ``Stat`` counters: current, peak, and the running totals added and taken."""
-
-    __slots__ = ("allocated", "current", "freed", "peak")
-
-    def __init__(self) -> None:
-        self.current = self.peak = self.allocated = self.freed = 0
-
-    def increase(self, amount: int) -> None:
-        self.current += amount
-        self.allocated += amount
-        if self.current > self.peak:
-            self.peak = self.current
-
-    def decrease(self, amount: int) -> None:
-        self.current -= amount
-        self.freed += amount
-
-
-class _Pool:
-    """The small or the large pool: its free blocks, best fit first, and its statistics."""
-
-    __slots__ = (
-        "allocated_bytes", "allocation", "expandable", "free", "keys", "name", "page",
-        "requested_bytes", "reserved_bytes", "segment", "small",
-    )
-
-    def __init__(self, small: bool) -> None:
-        self.small = small
-        self.name = "small_pool" if small else "large_pool"
-        # Expandable segments grow by whole pages: kSmallBuffer in the small pool, kLargeBuffer
-        # in the large one (the ExpandableSegment constructed in find_expandable_block).
-        self.page = SMALL_BUFFER if small else LARGE_BUFFER
-        self.keys: list[int] = []  # free mapped blocks, sorted by (size, address)
-        self.free: dict[int, Block] = {}
-        self.expandable: list[_Segment] = []  # this pool's expandable segments, by address
-        self.allocated_bytes = _Stat()
-        self.requested_bytes = _Stat()
-        self.reserved_bytes = _Stat()
-        self.allocation = _Stat()
-        self.segment = _Stat()
-
-    def insert(self, block: Block) -> None:
-        key = block.size << _SHIFT | block.address
-        insort(self.keys, key)
-        self.free[key] = block
-
-    def remove(self, block: Block) -> None:
-        key = block.size << _SHIFT | block.address
-        del self.keys[bisect_left(self.keys, key)]
-        del self.free[key]
+#: The fields of each of CUDA's ``Stat`` counters, as ``torch.cuda.memory_stats()`` reports them.
+_FIELDS = ("current", "peak", "allocated", "freed")
 
 
 class CachingAllocator:
@@ -228,17 +81,17 @@ class CachingAllocator:
         self.max_split_size = UNLIMITED if max_split_size is None else max_split_size
         self.max_non_split_rounding = max_non_split_rounding
         self.address_space = limit + limit // 8 if address_space is None else address_space
-        self._small = _Pool(small=True)
-        self._large = _Pool(small=False)
-        self._segments: dict[int, _Segment] = {}  # the cudaMalloc'd segments, by base address
+        self._small = Pool(small=True)
+        self._large = Pool(small=False)
+        self._segments: dict[int, Segment] = {}  # the cudaMalloc'd segments, by base address
         self._next_address = 1 << 32  # addresses are virtual; new segments never overlap
         self._pending: list[Block] = []  # freed blocks not yet returned to their pool
         self._lock = threading.Lock()
-        self.allocated_bytes_stat = _Stat()
-        self.requested_bytes_stat = _Stat()
-        self.reserved_bytes_stat = _Stat()
-        self.allocation_stat = _Stat()
-        self.segment_stat = _Stat()
+        self.allocated_bytes_stat = Stat()
+        self.requested_bytes_stat = Stat()
+        self.reserved_bytes_stat = Stat()
+        self.allocation_stat = Stat()
+        self.segment_stat = Stat()
         self.num_alloc_retries = 0
         self.num_ooms = 0
         self.num_device_alloc = 0
@@ -333,19 +186,95 @@ class CachingAllocator:
 
     def stats(self) -> dict[str, int]:
         """The counters of ``torch.cuda.memory_stats()`` that the model keeps, under its names
-        (see :func:`autobatch.testing._segments.memory_stats`)."""
+        (see :meth:`_counters`)."""
         self._flush()
-        result = memory_stats(self)
+        result = self._counters()
         # size_t's maximum read as int64_t, as torch.cuda.memory_stats reports "no limit"
         result["max_split_size"] = -1 if self.max_split_size == UNLIMITED else self.max_split_size
         return dict(sorted(result.items()))
 
+    def _counters(self) -> dict[str, int]:
+        """Every counter the model keeps, under ``torch.cuda.memory_stats()``'s key names, as
+        they stand (the caller returns pending frees first)."""
+        result: dict[str, int] = {}
+        small, large = self._small, self._large
+        groups = {
+            "allocation": (self.allocation_stat, "allocation"),
+            "segment": (self.segment_stat, "segment"),
+            "allocated_bytes": (self.allocated_bytes_stat, "allocated_bytes"),
+            "requested_bytes": (self.requested_bytes_stat, "requested_bytes"),
+            "reserved_bytes": (self.reserved_bytes_stat, "reserved_bytes"),
+            # one stream and no events: a block is active exactly while it is allocated
+            "active": (self.allocation_stat, "allocation"),
+            "active_bytes": (self.allocated_bytes_stat, "allocated_bytes"),
+        }
+        for name, (total, attribute) in groups.items():
+            for pool_name, stat in (
+                ("all", total),
+                ("small_pool", getattr(small, attribute)),
+                ("large_pool", getattr(large, attribute)),
+            ):
+                for field in _FIELDS:
+                    result[f"{name}.{pool_name}.{field}"] = getattr(stat, field)
+        # Free blocks that cannot be released because their segment is partly in use (kept only
+        # for cudaMalloc'd segments, as the source leaves expandable ones out).
+        split = {"all": [0, 0], "small_pool": [0, 0], "large_pool": [0, 0]}
+        for segment in self._segments.values():
+            if segment.head.next is None:
+                continue
+            for block in segment.blocks():
+                if not block.allocated:
+                    for pool_name in ("all", block.pool.name):
+                        split[pool_name][0] += 1
+                        split[pool_name][1] += block.size
+        for pool_name, (count, nbytes) in split.items():
+            result[f"inactive_split.{pool_name}.current"] = count
+            result[f"inactive_split_bytes.{pool_name}.current"] = nbytes
+        result["num_alloc_retries"] = self.num_alloc_retries
+        result["num_ooms"] = self.num_ooms
+        result["num_device_alloc"] = self.num_device_alloc
+        result["num_device_free"] = self.num_device_free
+        return result
+
+    def replay(self, events: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
+        """On a copy of this allocator as it is now: storages allocated and freed in order,
+        ``(serial, nbytes)`` with ``nbytes = -1`` for a storage's death. Returns the copy's
+        allocated and reserved peaks, or ``None`` when it ran out of memory (this allocator
+        is left as it was).
+
+        >>> a = CachingAllocator(limit=24 << 20)  # 3 MiB: a 20 MiB segment; 1000: a 2 MiB one
+        >>> a.replay([(0, 3 << 20), (0, -1), (1, 1000)]), a.replay([(0, 3 << 20), (1, 18 << 20)])
+        ((3145728, 23068672), None)
+        """
+        model = copy.deepcopy(self)
+        model.reset_peak()
+        live: dict[int, Block] = {}
+        for serial, nbytes in events:
+            if nbytes < 0:
+                block = live.pop(serial, None)
+                if block is not None:
+                    model.free(block)
+            elif nbytes:  # (torch asks no allocator for an empty storage)
+                try:
+                    live[serial] = model.malloc(nbytes)
+                except AllocatorOutOfMemory:
+                    return None
+        return model.peak_allocated_bytes, model.peak_reserved_bytes
+
+    def __deepcopy__(self, memo: dict[int, object]) -> CachingAllocator:
+        clone = CachingAllocator.__new__(CachingAllocator)
+        memo[id(self)] = clone
+        with self._lock:
+            for key, value in self.__dict__.items():
+                setattr(clone, key, threading.Lock() if key == "_lock" else copy.deepcopy(value, memo))
+        return clone
+
     # -- allocating ------------------------------------------------------------------------
 
-    def _cached_block(self, pool: _Pool, size: int) -> Block | None:
+    def _cached_block(self, pool: Pool, size: int) -> Block | None:
         """The best-fitting free block of ``pool`` (``get_free_block``), taken out of it."""
         keys = pool.keys
-        i = bisect_left(keys, size << _SHIFT)
+        i = bisect_left(keys, size << SHIFT)
         if i == len(keys):
             return None
         if self.expandable_segments:
@@ -358,14 +287,14 @@ class CachingAllocator:
                 if following >= reach:
                     break
                 i, reach = i + 1, following
-        found = keys[i] >> _SHIFT
+        found = keys[i] >> SHIFT
         if size < self.max_split_size <= found:
             return None  # an unsplittable block is not cut down for a smaller request
         if self.max_split_size <= size and found >= size + self.max_non_split_rounding:
             return None  # an oversize block serves only requests close to its size
         return pool.free.pop(keys.pop(i))
 
-    def _new_block(self, pool: _Pool, size: int) -> Block:
+    def _new_block(self, pool: Pool, size: int) -> Block:
         """A block from a new segment (or new pages), releasing cache and retrying as the
         source's ``malloc`` does; raises :class:`AllocatorOutOfMemory` when even that fails."""
         alloc_size = allocation_size(size)
@@ -389,7 +318,7 @@ class CachingAllocator:
             )
         return block
 
-    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int) -> Block | None:
+    def _alloc_block(self, pool: Pool, size: int, alloc_size: int) -> Block | None:
         """A new segment of ``alloc_size`` (``alloc_block``), or ``None`` when it does not fit.
 
         Like the source under ``set_per_process_memory_fraction``, the check is that reserved
@@ -400,7 +329,7 @@ class CachingAllocator:
             return None
         if self.expandable_segments:
             return self._expand(pool, size)
-        segment = _Segment(self._next_address, alloc_size, pool, expandable=False)
+        segment = Segment(self._next_address, alloc_size, pool, expandable=False)
         self._next_address += alloc_size
         self._segments[segment.base] = segment
         reserved.increase(alloc_size)
@@ -494,7 +423,7 @@ class CachingAllocator:
                     if block.prev is None and block.next is None:
                         self._release_segment(block)
 
-    def _release_available(self, pool: _Pool, size: int) -> bool:
+    def _release_available(self, pool: Pool, size: int) -> bool:
         """Release oversize cached segments to make room (``release_available_cached_blocks``):
         the smallest one of at least ``max(size, max_split_size)`` bytes, else the largest ones
         until that many bytes went back. Only with ``max_split_size`` set; the source's
@@ -503,13 +432,13 @@ class CachingAllocator:
             return False
         wanted = max(size, self.max_split_size)
         keys = pool.keys
-        i = bisect_left(keys, wanted << _SHIFT)
+        i = bisect_left(keys, wanted << SHIFT)
         if i < len(keys):
             self._release_segment(pool.free[keys[i]])
             return True
         released = 0
         for key in reversed(list(keys)):
-            if released >= wanted or key >> _SHIFT < self.max_split_size:
+            if released >= wanted or key >> SHIFT < self.max_split_size:
                 break
             block = pool.free[key]
             if block.prev is None and block.next is None:  # oversize blocks are never split
@@ -530,7 +459,7 @@ class CachingAllocator:
 
     # -- expandable segments ---------------------------------------------------------------
 
-    def _expand(self, pool: _Pool, size: int) -> Block | None:
+    def _expand(self, pool: Pool, size: int) -> Block | None:
         """A free block of at least ``size`` bytes made by mapping pages
         (``try_allocate_expandable_block``), or ``None`` when the pages do not fit."""
         candidate = self._expandable_room(pool, size)
@@ -550,7 +479,7 @@ class CachingAllocator:
         pool.remove(candidate)
         return candidate
 
-    def _expandable_room(self, pool: _Pool, size: int) -> Block:
+    def _expandable_room(self, pool: Pool, size: int) -> Block:
         """The lowest-addressed run of free and unmapped blocks with ``size`` bytes, starting
         at an unmapped block or the free block just before one (``find_expandable_block``); a
         new segment's address range when no segment has room."""
@@ -569,7 +498,7 @@ class CachingAllocator:
                 if room >= size:
                     return start
         pages = -(-self.address_space // pool.page)
-        segment = _Segment(self._next_address, pages * pool.page, pool, expandable=True)
+        segment = Segment(self._next_address, pages * pool.page, pool, expandable=True)
         self._next_address += segment.size
         pool.expandable.append(segment)
         return segment.head
@@ -631,7 +560,7 @@ class CachingAllocator:
 
     # -- inspection ------------------------------------------------------------------------
 
-    def _all_segments(self) -> list[_Segment]:
+    def _all_segments(self) -> list[Segment]:
         segments = [*self._segments.values(), *self._small.expandable, *self._large.expandable]
         return sorted(segments, key=lambda s: s.base)
 
@@ -652,7 +581,7 @@ class CachingAllocator:
                 ranges.append((start, size, segment.pool.small))
         return ranges
 
-    def _all_stats(self) -> list[_Stat]:
+    def _all_stats(self) -> list[Stat]:
         stats = [self.allocated_bytes_stat, self.requested_bytes_stat, self.reserved_bytes_stat,
                  self.allocation_stat, self.segment_stat]
         for pool in (self._small, self._large):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import warnings
@@ -22,12 +23,8 @@ from autobatch._accounting import (
 )
 from autobatch._backends import BackwardLeftovers, in_backward
 from autobatch._units import format_bytes, parse_bytes
-from autobatch.testing._allocator import (
-    LARGE_BUFFER,
-    AllocatorOutOfMemory,
-    Block,
-    CachingAllocator,
-)
+from autobatch.testing._allocator import CachingAllocator
+from autobatch.testing._blocks import LARGE_BUFFER, AllocatorOutOfMemory, Block
 
 _active_lock = threading.Lock()
 _active: list[SimulatedGPU] = []
@@ -238,6 +235,13 @@ class SimulatedGPU:
         self._mode.settle()
         if self._allocator is not None:
             self._allocator.empty_cache()
+
+    def allocator_copy(self) -> CachingAllocator | None:
+        """A copy of the caching model as it is now (``None`` in the exact model), whose
+        :meth:`~autobatch.testing._allocator.CachingAllocator.replay` tells what storages
+        allocated from here would do."""
+        self._mode.settle()
+        return None if self._allocator is None else copy.deepcopy(self._allocator)
 
     def reset_peak(self) -> None:
         """Start new peak measurements (allocated and reserved) from the current values."""
@@ -619,6 +623,9 @@ class SimulatedMemory(_backends.DeviceMemory):
 
     def empty_cache(self) -> None:
         self.gpu.empty_cache()
+
+    def allocation_model(self) -> CachingAllocator | None:
+        return self.gpu.allocator_copy()
 
     @property
     def name(self) -> str:
