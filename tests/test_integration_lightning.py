@@ -393,7 +393,7 @@ def test_find_and_guard_together(tmp_path: Any) -> None:
 
 
 class _Manual(_Net):
-    """Manual optimization: the README's recipe, a gradient-only function decorated."""
+    """Manual optimization: the recipe of docs/integrations.md, a decorated gradient function."""
 
     def __init__(self, guarded: bool) -> None:
         super().__init__()
