@@ -5,6 +5,7 @@ recover from OOM exactly (also with gradient accumulation and a loss averaged pe
 from __future__ import annotations
 
 import doctest
+import logging
 import math
 import random
 import warnings
@@ -346,7 +347,7 @@ def test_preparing_twice_guards_the_trainers_own_step_once(tmp_path: Any) -> Non
     assert type(trainer).training_step is Trainer.training_step
 
 
-@pytest.mark.parametrize("name", ["transformers", "_trainer_loss"])
+@pytest.mark.parametrize("name", ["transformers", "_trainer_loss", "_common"])
 def test_module_examples_run(name: str) -> None:
     import importlib
 
@@ -788,3 +789,91 @@ def test_22_1_a_compiled_model_is_weighed_as_it_runs_eagerly(tmp_path: Any, head
     guarded = _split_run(trainer())
     assert recovery_stats(guarded).ooms >= 1
     _close(guarded.model, reference.model)
+
+
+# The search's sample --------------------------------------------------------------------------
+
+
+def _pad(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A collator that pads to the batch's longest row (labels with -100)."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = r["input_ids"]
+        labels[i, : len(r["labels"])] = r["labels"]
+    return {"input_ids": ids, "labels": labels}
+
+
+def _short_first() -> list[dict[str, torch.Tensor]]:
+    """Eight short rows (2 to 4 tokens), then long ones (all 16)."""
+    g = torch.Generator().manual_seed(2)
+    lengths = [*torch.randint(2, 5, (8,), generator=g).tolist(), *[SEQ] * (ROWS - 8)]
+    rows = []
+    for n in lengths:
+        ids = torch.randint(0, VOCAB, (n,), generator=g)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+class _Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """The same rows behind ``__getitem__``: their lengths are not at hand."""
+
+    def __init__(self, rows: list[dict[str, torch.Tensor]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.rows[index]
+
+
+class _WithLengths(_Rows):
+    """Rows with a length column, as a ``datasets.Dataset`` may hold one."""
+
+    column_names = ("input_ids", "labels", "length")
+
+    def __getitem__(self, index: Any) -> Any:
+        if index == "length":
+            return [len(r["input_ids"]) for r in self.rows]
+        return super().__getitem__(index)
+
+
+def _found(tmp_path: Any, data: Any, sample: Any = None, **args: Any) -> int:
+    model = _gpt2(torch.float32)
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, report_to=[], use_cpu=True,
+        disable_tqdm=True, save_strategy="no", optim="sgd", **args,
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=data, data_collator=_pad)
+    with SimulatedGPU("3MiB") as gpu:
+        gpu.adopt(model)
+        autobatch_trainer(trainer, guard=False, sample=sample)
+    return int(trainer.args.per_device_train_batch_size)
+
+
+def test_22_3_the_search_samples_the_longest_rows_it_can_find(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = _short_first()
+    longest = _found(tmp_path, rows, sample=_pad(rows[-8:]))
+    first = _found(tmp_path, rows, sample=_pad(rows[:8]))
+    assert first > longest  # the short rows alone would set a size the long ones overrun
+    with caplog.at_level(logging.WARNING, logger="autobatch"):
+        assert _found(tmp_path, rows) == longest  # a list of rows: their lengths at hand
+        assert not [r for r in caplog.records if "could not find" in r.getMessage()]
+        # behind __getitem__, the lengths cost a pass over the dataset: the first rows, and
+        # a warning that they differ in length
+        assert _found(tmp_path, _Rows(rows)) == first
+        assert _found(tmp_path, _WithLengths(rows), remove_unused_columns=False) == longest
+    warned = [r.getMessage() for r in caplog.records if "could not find" in r.getMessage()]
+    assert len(warned) == 1
+    assert "whose lengths differ (2 to 4)" in warned[0]
+
+
+@pytest.mark.slow
+def test_22_3_grouping_by_length_gives_the_search_the_longest_rows(tmp_path: Any) -> None:
+    rows = _short_first()
+    assert _found(tmp_path, _Rows(rows), train_sampling_strategy="group_by_length") == _found(
+        tmp_path, rows, sample=_pad(rows[-8:]))

@@ -11,9 +11,12 @@ survive OOM.
 
 - ``find``: :func:`autobatch.search_batch_size` runs the trainer's own ``training_step`` (its
   ``compute_loss``, the accelerator's mixed precision and GradScaler, activation (gradient)
-  checkpointing where ``args`` turn it on), clipping and its optimizer (created with ``create_optimizer()`` when the
-  trainer has none yet, and dropped again, so that ``train()`` creates it as before), on the
-  first rows of the training dataset collated by the trainer's data collator; the recommended
+  checkpointing where ``args`` turn it on), clipping and its optimizer (created with
+  ``create_optimizer()`` when the trainer has none yet, and dropped again, so that ``train()``
+  creates it as before), on the training dataset's longest rows collated by the trainer's data
+  collator, where their lengths cost nothing more than the ``Trainer``'s own length grouping
+  (a length column, a list of rows in memory, ``train_sampling_strategy="group_by_length"``);
+  else on its first rows, with a WARNING when those differ in length. The recommended
   size is set as ``args.per_device_train_batch_size``, and said once, as a WARNING of the
   ``autobatch`` logger on the main process (shown with no logging set up). Weights, optimizer
   state, gradients and random streams are left as they were. ``search_result(trainer)``
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -95,9 +98,10 @@ def autobatch_trainer(
         guard: recover from out-of-memory errors inside ``training_step``.
         headroom: the fraction of the device's memory the size found leaves free at its
             measured peak (0: the largest size that fits).
-        sample: a batch (or a function ``n -> batch``) to search with; default the first rows of
-            ``train_dataset`` collated by the trainer's collator. Pass the worst case where
-            batches differ (the longest sequences).
+        sample: a batch (or a function ``n -> batch``) to search with; default the longest
+            rows of ``train_dataset`` where their lengths are at hand (else its first rows)
+            collated by the trainer's collator. Pass the worst case where batches differ in
+            another way.
         min_batch: the smallest micro-batch the guard may run (and the smallest size searched).
         reduction: how the loss reduces over a batch, for a loss autobatch cannot tell by
             itself (one that does not use ``num_items_in_batch`` and is not a mean it knows,
@@ -198,21 +202,74 @@ def _check_supported(trainer: Any) -> None:
 
 
 def _sample(trainer: Any) -> tuple[Any, int | None]:
-    """The first rows of the training dataset, collated as the trainer's dataloader does
-    (unused columns removed), and the dataset's length."""
+    """A batch of the training dataset's longest rows where their lengths can be had cheaply
+    (:func:`_row_lengths`), else of its first rows, collated as the trainer's dataloader does
+    (unused columns removed); and the dataset's length."""
     dataset = trainer.train_dataset
     if dataset is None:
         raise AutobatchError(
             "autobatch_trainer(find=True) needs trainer.train_dataset to take a sample from; "
             "pass sample= (a batch), or find=False"
         )
+    lengths = _row_lengths(trainer, dataset)  # (before the length column is removed)
     collate = trainer.data_collator
     if hasattr(dataset, "column_names") and hasattr(trainer, "_remove_unused_columns"):
         dataset = trainer._remove_unused_columns(dataset, description="training")
     elif hasattr(trainer, "_get_collator_with_removed_columns"):
         collate = trainer._get_collator_with_removed_columns(collate, description="training")
     rows = trainer.args.per_device_train_batch_size
-    return _common.first_rows(dataset, collate, rows), _common.dataset_length(dataset)
+    size = _common.dataset_length(dataset)
+    if lengths is not None and len(lengths) == size:
+        chosen = _common.longest_rows(lengths, rows)
+        logger.info(
+            "autobatch_trainer searches with the %d longest rows of train_dataset (%d long; "
+            "its first rows are at most %d)", len(chosen), lengths[chosen[0]],
+            max(lengths[:rows]),
+        )
+        return collate([dataset[i] for i in chosen]), size
+    examples = _common.first_examples(dataset, rows)
+    seen = [n for n in (_length(e, _input_name(trainer)) for e in examples) if n is not None]
+    if len(set(seen)) > 1 and trainer.is_world_process_zero():
+        logger.warning(
+            "autobatch_trainer searched with the first %d rows of train_dataset, whose lengths "
+            "differ (%d to %d), and could not find its longest rows cheaply: longer rows may "
+            "not fit at the size it finds. Give the lengths (a %r column, or "
+            "train_sampling_strategy='group_by_length'), or pass sample= (a batch of the "
+            "longest rows)", len(examples), min(seen), max(seen), trainer.args.length_column_name,
+        )
+    return collate(examples), size
+
+
+def _input_name(trainer: Any) -> str:
+    """The input whose length is a row's length, as the ``Trainer``'s length grouping reads it."""
+    processing = getattr(trainer, "processing_class", None)
+    names = getattr(processing, "model_input_names", None)
+    return str(names[0]) if names else "input_ids"
+
+
+def _length(example: Any, name: str) -> int | None:
+    value = example.get(name) if isinstance(example, Mapping) else None
+    try:
+        return None if value is None else len(value)
+    except TypeError:  # a number, a 0-d tensor
+        return None
+
+
+def _row_lengths(trainer: Any, dataset: Any) -> list[int] | None:
+    """Each row's length where it costs no more than the ``Trainer`` pays itself: a length
+    column (``args.length_column_name``), an in-memory list of rows, or the lengths the
+    ``Trainer``'s length-grouped sampling reads anyway; else ``None``."""
+    args = trainer.args
+    column = getattr(args, "length_column_name", "length")
+    if column in (getattr(dataset, "column_names", None) or ()):
+        return [int(n) for n in dataset[column]]
+    grouped = getattr(args, "train_sampling_strategy", None) in ("group_by_length",
+                                                                 "batch_rebalance")
+    if not (isinstance(dataset, (list, tuple)) or (grouped and _common.dataset_length(dataset))):
+        return None
+    name = _input_name(trainer)
+    lengths = [_length(dataset[i], name) for i in range(len(dataset))]
+    return None if any(n is None for n in lengths) else [int(n) for n in lengths if n is not None]
 
 
 def _raw(optimizer: Any) -> torch.optim.Optimizer:
