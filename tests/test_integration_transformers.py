@@ -4,12 +4,14 @@ recover from OOM exactly (also with gradient accumulation and a loss averaged pe
 
 from __future__ import annotations
 
+import contextlib
 import doctest
+import io
 import logging
 import math
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -877,3 +879,79 @@ def test_22_3_grouping_by_length_gives_the_search_the_longest_rows(tmp_path: Any
     rows = _short_first()
     assert _found(tmp_path, _Rows(rows), train_sampling_strategy="group_by_length") == _found(
         tmp_path, rows, sample=_pad(rows[-8:]))
+
+
+# What a user sees -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _nothing_configured() -> Iterator[io.StringIO]:
+    """As in a script that set up no logging: no handler on the root logger, so Python's
+    last-resort handler (WARNING and above, on stderr) shows records; here into a buffer."""
+    root = logging.getLogger()
+    handlers, level, last = root.handlers[:], root.level, logging.lastResort
+    stream = io.StringIO()
+    resort = logging.StreamHandler(stream)
+    resort.setLevel(logging.WARNING)
+    root.handlers, logging.lastResort = [], resort
+    root.setLevel(logging.WARNING)
+    try:
+        yield stream
+    finally:
+        root.handlers, logging.lastResort = handlers, last
+        root.setLevel(level)
+
+
+def _search_with_progress(tmp_path: Any) -> Any:
+    model = _gpt2(torch.float32)
+    trainer = _trainer(model, tmp_path, batch=8)
+    with SimulatedGPU("3MiB") as gpu:
+        gpu.adopt(model)
+        autobatch_trainer(trainer, guard=False, progress=True)
+    return trainer
+
+
+def test_22_4_the_size_and_each_recovered_oom_reach_a_user_who_configured_nothing_once(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _nothing_configured() as stream:
+        found = _search_with_progress(tmp_path)
+        guarded = _split_run(_token_trainer(tmp_path))
+        assert logging.getLogger().handlers == []  # the library configured nothing
+    lines = stream.getvalue().splitlines()
+    size = found.args.per_device_train_batch_size
+    assert [line for line in lines if "autobatch_trainer set" in line] == [
+        line for line in lines if f"per_device_train_batch_size to {size} " in line]
+    assert len([line for line in lines if "autobatch_trainer set" in line]) == 1
+    recovered = [line for line in lines if "ran out of memory" in line]
+    assert len(recovered) == recovery_stats(guarded).ooms >= 1
+    assert all(line.startswith("transformers.trainer.Trainer.training_step: ")
+               for line in recovered), recovered  # the trainer's step, not autobatch's
+    assert len(lines) == 1 + len(recovered), lines
+    result = search_result(found)
+    assert result is not None
+    shown = [line for line in capsys.readouterr().err.splitlines() if "autobatch: trial" in line]
+    assert len(shown) == len(result.trials)  # progress=True: each trial once
+    assert logging.getLogger("autobatch").handlers == []
+
+
+def test_22_4_with_logging_set_up_no_line_is_shown_twice(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    root, top = logging.getLogger(), logging.getLogger("autobatch")
+    root.addHandler(handler)
+    top.setLevel(logging.INFO)
+    try:
+        found = _search_with_progress(tmp_path)
+    finally:
+        root.removeHandler(handler)
+        top.setLevel(logging.NOTSET)
+    result = search_result(found)
+    assert result is not None
+    trials = [r for r in records if r.name == "autobatch.trial"]
+    assert len(trials) == len(result.trials)
+    assert "autobatch: trial" not in capsys.readouterr().err  # progress adds no second line
+    assert len([r for r in records if "autobatch_trainer set" in r.getMessage()]) == 1
