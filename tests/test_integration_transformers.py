@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import gc
 import io
 import logging
 import math
@@ -35,6 +36,16 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
     pytest.mark.usefixtures("one_thread"),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap() -> Iterator[None]:
+    """What the process holds before these tests, frozen out of garbage collection: the
+    framework and the guard call gc.collect() (after training, after an OOM), which walks every
+    object of a process that imported the framework, a fifth of a second each time."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 ROWS, SEQ, VOCAB = 192, 16, 64  # a few hundred examples: six optimizer steps of 32
 STEPS = ROWS // 32
@@ -530,6 +541,17 @@ class _MeanLossTrainer(Trainer):  # type: ignore[misc]
         return (loss, outputs) if return_outputs else loss
 
 
+class _CountingTrainer(Trainer):  # type: ignore[misc]
+    """A compute_loss that notes the count as a number (for a log of its own) and returns the
+    model's loss, which may or may not be divided by it."""
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if num_items_in_batch is not None:
+            self.counts = [*getattr(self, "counts", []), int(num_items_in_batch)]
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
 #: head -> (model, rows, options of autobatch_trainer, of the Trainer, of TrainingArguments)
 HEADS: dict[str, tuple[Callable[[], nn.Module], Callable[[], list[Any]], dict[str, Any],
                        dict[str, Any], dict[str, Any]]] = {
@@ -576,6 +598,8 @@ HEADS: dict[str, tuple[Callable[[], nn.Module], Callable[[], list[Any]], dict[st
         lambda: _label_rows(_pad_rows(torch.randint(0, H_CLASSES, (H_ROWS, H_SEQ),
                                                     generator=_g()), _g())),
         {"reduction": "mean"}, {"trainer": _MeanLossTrainer}, {}),
+    "subclassed compute_loss that reads the count (causal LM)": (
+        _gpt2_head, _lm_rows, {}, {"trainer": _CountingTrainer}, {}),
     "label smoothing (causal LM)": (_gpt2_head, _lm_rows, {}, {},
                                     {"label_smoothing_factor": 0.1}),
     "label smoothing, mean per batch (token classification)": (
@@ -698,6 +722,7 @@ def test_22_1_a_loss_autobatch_cannot_tell_is_refused_when_a_batch_is_split(
         "compute_loss_func": (None, {"compute_loss_func": _mean_token_loss}),
         "_MeanLossTrainer.compute_loss": (None, {"cls": _MeanLossTrainer}),
         "without calling compute_loss": (None, {"cls": _OwnStepTrainer}),
+        "_CountingTrainer.compute_loss used the value": (None, {"cls": _CountingTrainer}),
     }
     for what, (model, options) in cases.items():
         if model is not None:
@@ -753,27 +778,37 @@ def test_options_of_the_loss_are_checked(tmp_path: Any) -> None:
         autobatch_trainer(trainer, find=False, reduction="mean", items=3)
 
 
-def test_22_1_the_watched_count_tells_a_use_of_its_value_from_a_look_at_it() -> None:
+def test_22_1_the_watched_count_tells_a_loss_computed_from_it() -> None:
     from autobatch.integrations._trainer_loss import Reads, watched
 
-    loss = torch.tensor(6.0, requires_grad=True)
-    uses = {
-        "divide": lambda n: loss / n, "after a move": lambda n: loss / n.to("cpu"),
-        "int": int, "float": float, "item": lambda n: n.item(), "compare": lambda n: bool(n > 0),
-        "scalar on the left": lambda n: 3.0 / n, "split": lambda n: torch.split(n.view(1), 1),
+    sums = torch.tensor(6.0, requires_grad=True)
+    computed = {  # a loss computed from the count, as a tensor
+        "divide": lambda n: sums / n, "after a move": lambda n: sums / n.to("cpu"),
+        "scalar on the left": lambda n: 3.0 / n * sums, "twice": lambda n: sums / n / (n * 2),
+        "through a view": lambda n: sums / n.view(1)[0],
     }
-    looks = {
-        "move": lambda n: n.to("cpu"), "is_tensor": torch.is_tensor, "format": lambda n: f"{n}",
-        "metadata": lambda n: (n.shape, n.dtype, n.device, n.stride(), n.storage_offset(),
-                               n.dim(), n._base, n.is_leaf),
-        "passed along": lambda n: {"num_items_in_batch": n},
+    escaped = {  # its value used, but the loss not computed from it as a tensor
+        "item": lambda n: sums / n.item(), "int": lambda n: sums / int(n),
+        "a comparison": lambda n: sums * 2 if n > 0 else sums, "float": lambda n: sums / float(n),
     }
-    for expected, cases in ((True, uses), (False, looks)):
-        for name, use in cases.items():
+    unused = {  # moved, looked at, passed along
+        "move": lambda n: (n.to("cpu"), sums)[1], "is_tensor": lambda n: (torch.is_tensor(n), sums)[1],
+        "format": lambda n: (f"{n}", sums)[1],
+        "metadata": lambda n: ((n.shape, n.dtype, n.device, n.stride(), n.storage_offset(),
+                                n.dim(), n._base, n.is_leaf), sums)[1],
+        "passed along": lambda n: ({"num_items_in_batch": n}, sums)[1],
+    }
+    for (used, from_count), cases in (((True, True), computed), ((True, False), escaped),
+                                      ((False, False), unused)):
+        for name, loss_of in cases.items():
             reads = Reads()
-            use(watched(torch.tensor(4), reads))
-            assert reads.used is expected, name
-    assert (loss / watched(torch.tensor(4), Reads())).item() == 1.5  # an ordinary tensor
+            loss = loss_of(watched(torch.tensor(4), reads))
+            assert (reads.used, reads.computed_from(loss)) == (used, from_count), name
+    loss = sums / watched(torch.tensor(4), Reads())
+    assert loss.item() == 1.5  # an ordinary tensor, that backpropagates
+    loss.backward()
+    assert sums.grad is not None
+    assert sums.grad.item() == 0.25
 
 
 @pytest.mark.slow

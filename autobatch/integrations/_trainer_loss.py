@@ -9,24 +9,33 @@ the micro-batch itself, and weighs by the micro-batch's share of what that mean 
 
 Which of the two a loss is, is not read from a flag (transformers 5 sets
 ``model_accepts_loss_kwargs`` for any ``forward`` with ``**kwargs``): while a micro-batch runs,
-``trainer.compute_loss`` gets a ``num_items_in_batch`` that records whether the loss used its
-value (:class:`Watched`: moving it or asking for its shape does not count), and the loss it
-returns is scaled by the micro-batch's share before the ``Trainer`` runs its backward. A loss
-that did not use the count weighs by the labels its mean averages over where that is known:
-transformers' label smoother, and the model's own loss for the heads in :data:`MEAN_HEADS`
-(labels that are not ``-100``, ``labels[..., 1:]`` for causal language models, rows without
-labels). Anything else is refused with an :class:`~autobatch.AutobatchError` that says what to
-declare (``reduction=``, ``items=``), since a sum, a mean over rows and a mean over tokens
-weigh differently.
+``trainer.compute_loss`` gets a ``num_items_in_batch`` that follows its value (:class:`Watched`):
+what is computed from it is watched too, so the loss that comes back tells whether it was
+computed from the count. Moving the count or asking for its shape (as tracing it for
+``torch.compile`` does) is not using it. The loss is then scaled by the micro-batch's share
+before the ``Trainer`` runs its backward:
+
+- computed from the count: the share is 1, the micro-batches add;
+- the count unused: the micro-batch's share of the labels the mean averages over, where that is
+  known: transformers' label smoother, and the model's own loss for the heads in
+  :data:`MEAN_HEADS` (labels that are not ``-100``, ``labels[..., 1:]`` for causal language
+  models, rows without labels);
+- anything else (a loss of one's own that ignores the count, a count whose value left as a
+  Python number, ``.item()``, so that the loss may or may not be divided by it) is refused with
+  an :class:`~autobatch.AutobatchError` that says what to declare (``reduction=``,
+  ``items=``), since a sum, a mean over rows and a mean over tokens weigh differently.
+
+A loss computed from the count that also adds a term of its own that does not depend on the
+batch (a weight penalty) counts that term once per micro-batch.
 
 >>> reads = Reads()
 >>> count = watched(torch.tensor(12), reads)
 >>> _ = count.to("cpu"), count.shape  # moved and looked at: not used
 >>> reads.used
 False
->>> _ = torch.tensor(6.0) / count
->>> reads.used
-True
+>>> loss = torch.tensor(6.0) / count
+>>> reads.used, reads.computed_from(loss), reads.computed_from(torch.tensor(6.0))
+(True, True, False)
 """
 
 from __future__ import annotations
@@ -62,10 +71,9 @@ MEAN_HEADS = (
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 #: Operations that move ``num_items_in_batch`` or give a view or copy of it: what they return
-#: is watched in turn. Of the others, those that return tensors have used its value (its
-#: attributes aside: ``._base``, ``.grad``), and of those that return something else only
-#: these have (the rest read what it is: its shape, device, strides, as tracing it for
-#: ``torch.compile`` does).
+#: is the count still, not a use of it. Of the others, those that return tensors have used its
+#: value (what they return is watched in turn), and of those that return something else only
+#: these have (the rest read what it is: its shape, device, strides, its attributes).
 _MOVES = frozenset({
     torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.detach,
     torch.Tensor.clone, torch.Tensor.contiguous, torch.Tensor.view, torch.Tensor.reshape,
@@ -79,19 +87,26 @@ _VALUE_READS = frozenset({
 
 
 class Reads:
-    """Whether a watched count's value was used."""
+    """What became of a watched count: whether its value was used, and what was computed
+    from it."""
 
     __slots__ = ("used",)
 
     def __init__(self) -> None:
         self.used = False
 
+    def computed_from(self, value: Any) -> bool:
+        """Whether ``value`` is a tensor computed from this count."""
+        return isinstance(value, Watched) and value.reads is self and value.derived
+
 
 class Watched(torch.Tensor):
-    """``num_items_in_batch`` for one micro-batch: an ordinary tensor to every operation, which
-    notes in :class:`Reads` that its value was used (see the module documentation)."""
+    """``num_items_in_batch`` for one micro-batch, or a tensor computed from it: an ordinary
+    tensor to every operation, which notes in :class:`Reads` what became of the count (see the
+    module documentation)."""
 
     reads: Reads
+    derived: bool
 
     @classmethod
     def __torch_function__(
@@ -102,25 +117,35 @@ class Watched(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             args, kwargs = pytree.tree_map_only(Watched, _plain, (args, kwargs))
             result = func(*args, **kwargs)
-        if func in _MOVES and isinstance(result, torch.Tensor) and found:
-            return watched(result, found[0].reads)
-        attribute = getattr(func, "__name__", None) == "__get__"
-        carried = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(result))
-        if (carried and not attribute) or func in _VALUE_READS:
-            for each in found:
-                each.reads.used = True
-        return result
+        if not found or getattr(func, "__name__", None) == "__get__":
+            return result  # (an attribute: its shape, its base, its gradient)
+        reads = found[0].reads
+        if func in _MOVES and isinstance(result, torch.Tensor):
+            return watched(result, reads, derived=any(t.derived for t in found))
+        tensors = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if tensors or func in _VALUE_READS:
+            reads.used = True
+        if not tensors:
+            return result
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: watched(t, reads, derived=True), result
+        )
 
 
-def _plain(tensor: Watched) -> torch.Tensor:
-    return tensor.as_subclass(torch.Tensor)
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor (the same data and autograd history)."""
+    if not isinstance(tensor, Watched):
+        return tensor
+    with torch._C.DisableTorchFunctionSubclass():
+        return tensor.as_subclass(torch.Tensor)
 
 
-def watched(count: torch.Tensor, reads: Reads) -> Watched:
-    """``count`` (shared, not copied) noting in ``reads`` when its value is used."""
+def watched(count: torch.Tensor, reads: Reads, *, derived: bool = False) -> Watched:
+    """``count`` (shared, not copied) noting in ``reads`` when its value is used; ``derived``:
+    a tensor computed from the count."""
     with torch._C.DisableTorchFunctionSubclass():
         result = count.as_subclass(Watched)
-    result.reads = reads
+    result.reads, result.derived = reads, derived
     return result
 
 
@@ -237,12 +262,19 @@ class Weighing:
             if isinstance(count, torch.Tensor):
                 kwargs["num_items_in_batch"] = watched(count, reads)
             result = real(*args, **kwargs)
-            share = 1.0 if reads.used else self.share(piece, whole, count)
-            if share == 1.0:
-                return result
-            if isinstance(result, tuple):
-                return (_scaled(result[0], share), *result[1:])
-            return _scaled(result, share)
+            loss = result[0] if isinstance(result, tuple) else result
+            if reads.computed_from(loss):
+                share = 1.0  # divided by the window's count: the micro-batches add
+            elif reads.used:
+                raise self._unknown(
+                    f"{self._source()} used the value of num_items_in_batch, but returned a "
+                    "loss not computed from it as a tensor (through .item(), int(), a "
+                    "comparison, or not at all)"
+                )
+            else:
+                share = self.share(piece, whole, count)
+            loss = _scaled(_plain(loss), share)
+            return (loss, *result[1:]) if isinstance(result, tuple) else loss
 
         patch = _common.Patch(trainer, "compute_loss", compute_loss)
         try:
@@ -269,28 +301,37 @@ class Weighing:
             return items / total
         return _common.rows_of(piece) / _common.rows_of(whole)  # (its mean is 0/0 anyway)
 
-    def _counter(self, model: Any, piece: Any) -> Callable[[Any], Any]:
+    def _source(self) -> str:
+        """What computes the loss: the trainer's ``compute_loss`` of one's own, its
+        ``compute_loss_func``, its label smoother, or the model."""
         trainer = self.trainer
         from transformers import Trainer
 
         if type(trainer).compute_loss is not Trainer.compute_loss:
-            raise self._unknown(
-                f"{type(trainer).__qualname__}.compute_loss returned a loss that does not use "
-                "num_items_in_batch"
-            )
+            return f"{type(trainer).__qualname__}.compute_loss"
         function = getattr(trainer, "compute_loss_func", None)
         if function is not None:
-            raise self._unknown(
-                f"compute_loss_func {user_name(function)} returned a loss that does not use "
-                "num_items_in_batch"
-            )
+            return f"compute_loss_func {user_name(function)}"
+        if getattr(trainer, "label_smoother", None) is not None:
+            return "the Trainer's label smoother"
+        return f"the loss of {type(_unwrapped(trainer)).__name__} (the model's own)"
+
+    def _counter(self, model: Any, piece: Any) -> Callable[[Any], Any]:
+        trainer = self.trainer
+        from transformers import Trainer
+
+        if type(trainer).compute_loss is not Trainer.compute_loss or getattr(
+            trainer, "compute_loss_func", None
+        ) is not None:
+            raise self._unknown(f"{self._source()} returned a loss that does not use "
+                                "num_items_in_batch")
         if getattr(trainer, "label_smoother", None) is not None and "labels" in piece:
             return _smoother_counter(model)
         counter = _model_counter(model)
         if counter is None:
             raise self._unknown(
-                f"the loss of {type(model).__name__} (the model's own) does not use "
-                "num_items_in_batch, and is not that of a transformers head autobatch knows"
+                f"{self._source()} does not use num_items_in_batch, and is not that of a "
+                "transformers head autobatch knows"
             )
         return counter
 
@@ -312,8 +353,8 @@ def _number(value: Any) -> Any:
 def _scaled(loss: Any, share: float) -> Any:
     """``loss`` times ``share``; a micro-batch without items (``share`` 0, its mean 0/0) adds
     nothing: a zero its backward leaves every gradient alone with."""
-    if not isinstance(loss, torch.Tensor):
-        return loss * share
+    if share == 1.0 or not isinstance(loss, torch.Tensor):
+        return loss if share == 1.0 else loss * share
     if share == 0.0:
         return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
     return loss * share
