@@ -712,29 +712,40 @@ def _token_trainer(root: Any, cls: type = Trainer, **options: Any) -> Any:
     return cls(model=model.to(torch.float64), args=args, train_dataset=rows, **options)
 
 
+def _own_loss(model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+              num_items_in_batch: Any = None) -> torch.Tensor:
+    """A compute_loss set on a trainer itself: a mean over the labelled tokens."""
+    labels = inputs.pop("labels")
+    return F.cross_entropy(model(**inputs).logits.flatten(0, 1), labels.flatten())
+
+
+def _with_own_loss(root: Any) -> Any:
+    trainer = _token_trainer(root)
+    trainer.compute_loss = _own_loss
+    return trainer
+
+
 def test_22_1_a_loss_autobatch_cannot_tell_is_refused_when_a_batch_is_split(
     tmp_path: Any,
 ) -> None:
     """A loss that does not use num_items_in_batch and is not a head autobatch knows could be a
-    mean over tokens, over rows, or a sum: refused at the first split, not guessed."""
-    cases = {
-        "the model's own": (_TokenModel(), {}),
-        "compute_loss_func": (None, {"compute_loss_func": _mean_token_loss}),
-        "_MeanLossTrainer.compute_loss": (None, {"cls": _MeanLossTrainer}),
-        "without calling compute_loss": (None, {"cls": _OwnStepTrainer}),
-        "_CountingTrainer.compute_loss used the value": (None, {"cls": _CountingTrainer}),
+    mean over tokens, over rows, or a sum: refused at the first split, not guessed; so is a
+    count whose value left as a number (the loss may or may not be divided by it)."""
+    cases: dict[str, Callable[[Any], Any]] = {
+        "the model's own": lambda root: _trainer(_TokenModel(), root, batch=8),
+        "compute_loss_func": lambda root: _token_trainer(root, compute_loss_func=_mean_token_loss),
+        "_MeanLossTrainer.compute_loss": lambda root: _token_trainer(root, cls=_MeanLossTrainer),
+        "without calling compute_loss": lambda root: _token_trainer(root, cls=_OwnStepTrainer),
+        "_CountingTrainer.compute_loss used the value": lambda root: _token_trainer(
+            root, cls=_CountingTrainer),
+        "_own_loss (the trainer's compute_loss)": _with_own_loss,
     }
-    for what, (model, options) in cases.items():
-        if model is not None:
-            trainer = _trainer(model, tmp_path, batch=8)
-        else:
-            trainer = _token_trainer(tmp_path, **options)
+    for what, make in cases.items():
+        trainer = make(tmp_path)
         autobatch_trainer(trainer, find=False)
         trainer.train()  # nothing split: nothing to weigh, nothing refused
-        trainer = _trainer(model, tmp_path, batch=8) if model is not None else _token_trainer(
-            tmp_path, **options)
         with pytest.raises(AutobatchError, match="reduction='mean'") as refused:
-            _split_run(trainer)
+            _split_run(make(tmp_path))
         assert what in str(refused.value), what
 
 

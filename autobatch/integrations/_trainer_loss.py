@@ -237,6 +237,7 @@ class Weighing:
     def __init__(self, trainer: Any, step_name: str) -> None:
         self.step_name = step_name
         self.trainer = trainer
+        self.own_loss: Any = None  # a compute_loss set on the trainer itself
 
     @contextlib.contextmanager
     def piece(self, piece: Any, whole: Any) -> Iterator[None]:
@@ -253,6 +254,7 @@ class Weighing:
                 "autobatch_trainer(trainer, guard=False) with a batch size that fits"
             )
         real = trainer.compute_loss
+        self.own_loss = vars(trainer).get("compute_loss")
         calls = [0]
 
         def compute_loss(*args: Any, **kwargs: Any) -> Any:
@@ -307,6 +309,8 @@ class Weighing:
         trainer = self.trainer
         from transformers import Trainer
 
+        if self.own_loss is not None:
+            return f"{user_name(self.own_loss)} (the trainer's compute_loss)"
         if type(trainer).compute_loss is not Trainer.compute_loss:
             return f"{type(trainer).__qualname__}.compute_loss"
         function = getattr(trainer, "compute_loss_func", None)
@@ -320,9 +324,9 @@ class Weighing:
         trainer = self.trainer
         from transformers import Trainer
 
-        if type(trainer).compute_loss is not Trainer.compute_loss or getattr(
-            trainer, "compute_loss_func", None
-        ) is not None:
+        if self.own_loss is not None or type(trainer).compute_loss is not Trainer.compute_loss or (
+            getattr(trainer, "compute_loss_func", None) is not None
+        ):
             raise self._unknown(f"{self._source()} returned a loss that does not use "
                                 "num_items_in_batch")
         if getattr(trainer, "label_smoother", None) is not None and "labels" in piece:
