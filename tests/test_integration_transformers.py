@@ -462,7 +462,10 @@ def _label_rows(labels: torch.Tensor, shape: tuple[int, ...] = (H_ROWS, H_SEQ)
 
 
 def _classes() -> torch.Tensor:
-    return torch.randint(0, H_CLASSES, (H_ROWS,), generator=torch.Generator().manual_seed(6))
+    """A class per row; rows 2 and 3 have none (-100, which cross-entropy leaves out)."""
+    classes = torch.randint(0, H_CLASSES, (H_ROWS,), generator=torch.Generator().manual_seed(6))
+    classes[[2, 3]] = -100
+    return classes
 
 
 def _bert_config(**options: Any) -> Any:
