@@ -3,14 +3,18 @@ simulated GPU: the size it finds, the state it leaves, and training that recover
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import doctest
+import gc
+import io
 import logging
 import math
 import random
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,17 +26,28 @@ pl = pytest.importorskip("lightning.pytorch")  # in the test extra: installed wi
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torchmetrics import MeanMetric  # noqa: E402
 from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
 
 import autobatch  # noqa: E402
 from autobatch import AutobatchError, retry_on_oom  # noqa: E402
 from autobatch.integrations.lightning import AutobatchCallback  # noqa: E402
-from autobatch.testing import SimulatedGPU  # noqa: E402
+from autobatch.testing import OOM_KINDS, SimulatedGPU  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
     pytest.mark.usefixtures("one_thread"),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap() -> Iterator[None]:
+    """What the process holds before these tests, frozen out of garbage collection: the
+    framework and the guard call gc.collect() (after training, after an OOM), which walks every
+    object of a process that imported the framework, a fifth of a second each time."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 ROWS, FEATURES, CLASSES, HIDDEN = 192, 16, 4, 256
 SMALL = "400KiB"  # a batch of 64 rows does not fit; a quarter of it does
@@ -168,10 +183,11 @@ class _Memory(Logger):
 
 def _trainer(root: Any, callbacks: list[Any], **options: Any) -> Any:
     memory = _Memory()
+    options = {"enable_checkpointing": False, **options}
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_epochs=1, logger=memory, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(root), callbacks=callbacks, **options,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
+        callbacks=callbacks, **options,
     )
     return trainer, memory
 
@@ -478,3 +494,210 @@ def test_the_callbacks_search_can_be_watched(tmp_path: Any) -> None:
     _fit(tmp_path, module, SMALL, [ours], limit_train_batches=0)
     assert ours.result is not None
     assert seen == list(ours.result.trials)
+
+
+# The feature matrix ---------------------------------------------------------------------------
+#
+# Each feature a LightningModule trains with, guarded, against the same fit unguarded: every
+# batch over half its rows runs out of memory before the first layer's forward ("forward"),
+# and in "restart" the second micro-batch of the first split batch also runs out of memory in
+# backward, after the last layer's gradients were added to the batch's sum, so that the batch
+# starts over (its first micro-batch already updated the metrics once).
+
+
+class _Oom:
+    """CUDA's OOM error in the first layer: in its forward for more than ``limit`` rows, and
+    (``restart``) once in backward, in the second micro-batch that ran."""
+
+    def __init__(self, module: _Net, limit: int, restart: bool) -> None:
+        self.limit, self.restart, self.pieces, self.fired = limit, restart, 0, []
+        module.net[0].register_forward_hook(self._forward)
+
+    def _forward(self, layer: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if args[0].shape[0] > self.limit:
+            self._fire("forward")
+        self.pieces += 1
+        if self.restart and self.pieces == 2:
+            out.register_hook(lambda grad: self._fire("backward"))
+
+    def _fire(self, where: str) -> None:
+        self.fired.append(where)
+        raise OOM_KINDS["cuda"]()
+
+
+class _Featured(_Net):
+    """The float64 classifier with torchmetrics metrics (updated before backward, where an
+    OOM comes), values logged per step and per epoch, and an LR scheduler stepped per step."""
+
+    def __init__(self, scheduler: bool = False, **options: Any) -> None:
+        super().__init__(**options)
+        self.accuracy = MulticlassAccuracy(num_classes=CLASSES)
+        self.mean_loss = MeanMetric()  # fed each row's loss: a mean over rows, not over calls
+        self.scheduler = scheduler
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self.net(x)
+        losses = F.cross_entropy(logits, y, reduction="none")
+        loss = losses.mean()
+        self.accuracy(logits, y)
+        self.mean_loss(losses)
+        self.log("accuracy", self.accuracy, on_step=False, on_epoch=True)
+        self.log("mean_loss", self.mean_loss, on_step=False, on_epoch=True)
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        self.log("rows", float(len(x)), on_step=True, on_epoch=True, reduce_fx="sum")
+        self.log("top", logits.max(), on_step=True, on_epoch=True, reduce_fx="max")
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.counted.append(int((self.accuracy.tp + self.accuracy.fn).sum()))
+        self.counted.append(int(self.mean_loss.weight))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if not self.scheduler:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+LIGHTNING_FEATURES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "torchmetrics metrics, self.log on_step and on_epoch": ({}, {}),
+    "accumulate_grad_batches (3 batches in windows of 2)": ({}, {"accumulate_grad_batches": 2}),
+    "clipping by norm": ({}, {"gradient_clip_val": 0.05}),
+    "clipping by value": ({}, {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "LR scheduler, interval='step'": ({"scheduler": True}, {}),
+    "checkpoints every step": ({}, {"checkpoints": True}),
+}
+
+
+def _featured_fit(root: Any, feature: str, fault: str | None) -> tuple[_Featured, Any, Any,
+                                                                      _Oom | None, list[Any]]:
+    module_options, trainer_options = LIGHTNING_FEATURES[feature]
+    options = dict(trainer_options)
+    callbacks: list[Any] = [] if fault is None else [AutobatchCallback(find=False)]
+    directory = root / (fault or "reference")
+    if options.pop("checkpoints", False):
+        callbacks.append(pl.callbacks.ModelCheckpoint(
+            dirpath=directory, every_n_train_steps=1, save_top_k=-1))
+        options["enable_checkpointing"] = True
+    module = _Featured(**module_options)
+    oom = None if fault is None else _Oom(module, 32, restart=fault == "restart")
+    trainer, memory = _fit(root, module, LARGE, callbacks, **options)
+    saved = [torch.load(path, weights_only=False) for path in sorted(directory.glob("*.ckpt"))]
+    return module, trainer, memory, oom, saved
+
+
+_REFERENCE_FITS: dict[str, tuple[_Featured, Any, Any, _Oom | None, list[Any]]] = {}
+
+
+def _feature_case(feature: str, fault: str) -> Any:
+    fast = fault == "restart" or feature == next(iter(LIGHTNING_FEATURES))
+    return pytest.param(feature, fault, marks=[] if fast else [pytest.mark.slow],
+                        id=f"{feature}-{fault}")
+
+
+@pytest.mark.parametrize(("feature", "fault"), [
+    _feature_case(feature, fault) for feature in LIGHTNING_FEATURES
+    for fault in ("forward", "restart")
+])
+def test_22_2_every_feature_recovers_to_the_unguarded_fit(
+    tmp_path: Any, feature: str, fault: str
+) -> None:
+    """After a restart (an OOM in backward once the batch's sum was begun), torchmetrics
+    metrics count each row once: the recovery engine's ledger puts their states back."""
+    if feature not in _REFERENCE_FITS:  # (one unguarded fit per feature)
+        _REFERENCE_FITS[feature] = _featured_fit(tmp_path, feature, None)
+    reference, ref_trainer, ref_memory, _, ref_saved = _REFERENCE_FITS[feature]
+    module, trainer, memory, oom, saved = _featured_fit(tmp_path, feature, fault)
+    assert oom is not None
+    assert oom.fired[0] == "forward"
+    assert ("backward" in oom.fired) == (fault == "restart")
+    assert trainer.callbacks[0].stats.ooms == len(oom.fired)
+    assert module.sizes == reference.sizes == [64, 64, 64]
+    assert trainer.global_step == ref_trainer.global_step
+    _close(module, reference)
+    assert module.counted == reference.counted == [ROWS, ROWS]  # every row once, in each metric
+    names = {k for _, m in ref_memory.metrics for k in m}
+    assert names >= {"accuracy", "mean_loss", "loss_step", "loss_epoch", "rows_step", "top_step"}
+    for name in names:  # (MeanMetric casts to float32 once moved: it sums in float32)
+        rtol = 1e-6 if name == "mean_loss" else 1e-9
+        torch.testing.assert_close(memory.series(name), ref_memory.series(name), rtol=rtol,
+                                   atol=0, msg=name)
+    if "checkpoints" in feature:
+        assert len(saved) == trainer.global_step == 3
+    assert [s["global_step"] for s in saved] == [s["global_step"] for s in ref_saved]
+    for ours, theirs in zip(saved, ref_saved, strict=True):
+        torch.testing.assert_close(ours["state_dict"], theirs["state_dict"], rtol=1e-9, atol=1e-12)
+        for key in ("optimizer_states", "lr_schedulers", "loops", "epoch"):
+            torch.testing.assert_close(ours[key], theirs[key], rtol=1e-9, atol=1e-12, msg=key)
+
+
+# What a user sees -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _nothing_configured() -> Iterator[io.StringIO]:
+    """As in a script that set up no logging: no handler on the root logger, so Python's
+    last-resort handler (WARNING and above, on stderr) shows records; here into a buffer."""
+    root = logging.getLogger()
+    handlers, level, last = root.handlers[:], root.level, logging.lastResort
+    stream = io.StringIO()
+    resort = logging.StreamHandler(stream)
+    resort.setLevel(logging.WARNING)
+    root.handlers, logging.lastResort = [], resort
+    root.setLevel(logging.WARNING)
+    try:
+        yield stream
+    finally:
+        root.handlers, logging.lastResort = handlers, last
+        root.setLevel(level)
+
+
+def test_22_4_the_size_and_each_recovered_oom_reach_a_user_who_configured_nothing_once(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    found, guard = AutobatchCallback(guard=False, progress=True), AutobatchCallback(find=False)
+    with _nothing_configured() as stream:
+        _fit(tmp_path, _Net(), SMALL, [found], limit_train_batches=0)
+        _fit(tmp_path, _Net(), LARGE, [guard])  # (no OOM: nothing said)
+        module = _Net()
+        _Oom(module, 32, restart=False)
+        ours = AutobatchCallback(find=False)
+        _fit(tmp_path, module, LARGE, [ours])
+        assert logging.getLogger().handlers == []  # the library configured nothing
+    lines = stream.getvalue().splitlines()
+    assert len([line for line in lines if "AutobatchCallback set the batch size" in line]) == 1
+    assert f"batch size to {found.batch_size} in 'batch_size'" in lines[0]
+    recovered = [line for line in lines if "ran out of memory" in line]
+    assert len(recovered) == ours.stats.ooms >= 1
+    name = "test_integration_lightning._Net.training_step: "  # the module's, not the guard's
+    assert all(line.startswith(name) for line in recovered), recovered
+    assert len(lines) == 1 + len(recovered), lines
+    assert found.result is not None
+    shown = [line for line in capsys.readouterr().err.splitlines() if "autobatch: trial" in line]
+    assert len(shown) == len(found.result.trials)  # progress=True: each trial once
+    assert logging.getLogger("autobatch").handlers == []
+
+
+def test_22_4_with_logging_set_up_no_line_is_shown_twice(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    root, top = logging.getLogger(), logging.getLogger("autobatch")
+    root.addHandler(handler)
+    top.setLevel(logging.INFO)
+    found = AutobatchCallback(guard=False, progress=True)
+    try:
+        _fit(tmp_path, _Net(), SMALL, [found], limit_train_batches=0)
+    finally:
+        root.removeHandler(handler)
+        top.setLevel(logging.NOTSET)
+    assert found.result is not None
+    trials = [r for r in records if r.name == "autobatch.trial"]
+    assert len(trials) == len(found.result.trials)
+    assert "autobatch: trial" not in capsys.readouterr().err  # progress adds no second line
+    assert len([r for r in records if "AutobatchCallback set" in r.getMessage()]) == 1

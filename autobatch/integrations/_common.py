@@ -63,6 +63,11 @@ def first_rows(dataset: Any, collate: Callable[[list[Any]], Any], rows: int) -> 
     """The first ``rows`` examples of a map-style dataset (or the first ones an iterable
     dataset yields), collated into one batch: a sample for the search, drawn without a sampler
     (no shuffling, no worker processes)."""
+    return collate(first_examples(dataset, rows))
+
+
+def first_examples(dataset: Any, rows: int) -> list[Any]:
+    """The first ``rows`` examples of a dataset, as :func:`first_rows` takes them, uncollated."""
     rows = max(int(rows), 1)
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         examples = []
@@ -74,7 +79,17 @@ def first_rows(dataset: Any, collate: Callable[[list[Any]], Any], rows: int) -> 
         examples = [dataset[i] for i in range(min(len(dataset), rows))]
     if not examples:
         raise ValueError("the training dataset is empty: there is nothing to find a batch size for")
-    return collate(examples)
+    return examples
+
+
+def longest_rows(lengths: Sequence[int], rows: int) -> list[int]:
+    """The indices of the ``rows`` longest examples (the first of equal ones), longest first.
+
+    >>> longest_rows([3, 9, 1, 9, 4], 3)
+    [1, 3, 4]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return order[: max(int(rows), 1)]
 
 
 def dataset_length(dataset: Any) -> int | None:

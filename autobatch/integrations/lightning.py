@@ -37,7 +37,7 @@ the precisions ``32-true``, ``64-true``, ``16-true``, ``bf16-true``, ``bf16-mixe
 other precision plugins, and manual optimization (its ``training_step`` steps optimizers itself
 through Lightning's wrappers, which count steps and run hooks; decorate the function that
 computes your gradients with ``retry_on_oom(policy="accumulate", model=self)`` instead, see the
-README).
+README). ``docs/exactness_matrix.md`` lists each feature tested against the unguarded fit.
 """
 
 from __future__ import annotations

@@ -11,9 +11,12 @@ survive OOM.
 
 - ``find``: :func:`autobatch.search_batch_size` runs the trainer's own ``training_step`` (its
   ``compute_loss``, the accelerator's mixed precision and GradScaler, activation (gradient)
-  checkpointing where ``args`` turn it on), clipping and its optimizer (created with ``create_optimizer()`` when the
-  trainer has none yet, and dropped again, so that ``train()`` creates it as before), on the
-  first rows of the training dataset collated by the trainer's data collator; the recommended
+  checkpointing where ``args`` turn it on), clipping and its optimizer (created with
+  ``create_optimizer()`` when the trainer has none yet, and dropped again, so that ``train()``
+  creates it as before), on the training dataset's longest rows collated by the trainer's data
+  collator, where their lengths cost nothing more than the ``Trainer``'s own length grouping
+  (a length column, a list of rows in memory, ``train_sampling_strategy="group_by_length"``);
+  else on its first rows, with a WARNING when those differ in length. The recommended
   size is set as ``args.per_device_train_batch_size``, and said once, as a WARNING of the
   ``autobatch`` logger on the main process (shown with no logging set up). Weights, optimizer
   state, gradients and random streams are left as they were. ``search_result(trainer)``
@@ -22,37 +25,43 @@ survive OOM.
   ``Trainer`` clips and steps outside it, after ``gradient_accumulation_steps`` calls) is
   replaced by one that recovers from OOM through :func:`autobatch.retry_on_oom` (a function that
   only computes gradients: ``policy="accumulate"`` with ``model=``): on an OOM the batch runs in
-  micro-batches whose gradients add up to the batch's. Where the ``Trainer`` normalises the loss
-  by the number of items (tokens) in the whole accumulation window (``num_items_in_batch``,
-  passed to every micro-batch), the micro-batches' losses and gradients simply add; where the
-  loss is a mean per batch, each micro-batch is weighted by its share of the batch's labels
-  (``labels != -100``, shifted by one for causal language models, or ``shift_labels``; rows
-  when the batch has no labels). ``recovery_stats(trainer)`` says what happened; each
-  recovered OOM is a WARNING naming the trainer's ``training_step``.
+  micro-batches whose gradients add up to the batch's. How much each micro-batch weighs is
+  found from what the loss computes, not from a flag: a loss that divides by the count the
+  ``Trainer`` passes (``num_items_in_batch``, the accumulation window's labelled items) adds up
+  over micro-batches; one that does not is a mean per batch, and each micro-batch is weighted by
+  its share of what the mean averages over, where that is known (transformers' label smoother,
+  and the model's own loss for the heads of ``_trainer_loss.MEAN_HEADS``: labels that are not
+  ``-100``, shifted by one for causal language models, or rows). Any other loss that ignores the
+  count (a model, ``compute_loss_func`` or ``compute_loss`` of one's own) is refused at the
+  first split, unless ``reduction=`` (and ``items=``) says how it reduces.
+  ``recovery_stats(trainer)`` says what happened; each recovered OOM is a WARNING naming the
+  trainer's ``training_step``.
 
 Refused with an :class:`~autobatch.AutobatchError`: several processes or devices (DDP,
 DataParallel, FSDP, DeepSpeed, SageMaker model parallelism, context or sequence parallelism),
-and optimizers that step inside backward (LOMO, AdaLomo, the layer-wise GaLore variants).
-With ``gradient_accumulation_steps > 1``, an OOM in the backward of a batch that runs whole
-after earlier batches of the window added their gradients is refused by the engine (their sum
-cannot be taken apart); once memory has run short the batches run in micro-batches that keep
-the window's gradients aside, which is exact.
+and optimizers that step inside backward (LOMO, AdaLomo, the layer-wise GaLore variants); at
+the first split, a router's load-balancing loss (``output_router_logits=True``), a function of
+the whole batch's routing.
+With ``gradient_accumulation_steps > 1``, an OOM in the backward of a batch after earlier
+batches of the window added their gradients is recovered exactly too: the window's gradients
+are kept apart until a backward completes. ``docs/exactness_matrix.md`` lists each head and
+feature tested against the unguarded ``Trainer``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
-from autobatch._log import get_logger, named_after
+from autobatch._log import get_logger, named_after, user_name
 from autobatch._recovery import RetryingStep
-from autobatch.integrations import _common
+from autobatch.integrations import _common, _trainer_loss
 
 __all__ = ["autobatch_trainer", "recovery_stats", "search_result"]
 
@@ -64,8 +73,6 @@ _RESULTS: weakref.WeakKeyDictionary[Any, SearchResult] = weakref.WeakKeyDictiona
 #: micro-batch would apply its update alone.
 _STEPS_IN_BACKWARD = ("lomo", "adalomo", "layerwise")
 
-_IGNORE_INDEX = -100
-
 
 def autobatch_trainer(
     trainer: Any,
@@ -75,6 +82,8 @@ def autobatch_trainer(
     headroom: float = 0.05,
     sample: Any = None,
     min_batch: int = 1,
+    reduction: str | None = None,
+    items: Callable[[Any], Any] | None = None,
     **search_options: Any,
 ) -> Any:
     """Prepare a Hugging Face ``Trainer``: find its batch size, and make its training steps
@@ -89,10 +98,18 @@ def autobatch_trainer(
         guard: recover from out-of-memory errors inside ``training_step``.
         headroom: the fraction of the device's memory the size found leaves free at its
             measured peak (0: the largest size that fits).
-        sample: a batch (or a function ``n -> batch``) to search with; default the first rows of
-            ``train_dataset`` collated by the trainer's collator. Pass the worst case where
-            batches differ (the longest sequences).
+        sample: a batch (or a function ``n -> batch``) to search with; default the longest
+            rows of ``train_dataset`` where their lengths are at hand (else its first rows)
+            collated by the trainer's collator. Pass the worst case where batches differ in
+            another way.
         min_batch: the smallest micro-batch the guard may run (and the smallest size searched).
+        reduction: how the loss reduces over a batch, for a loss autobatch cannot tell by
+            itself (one that does not use ``num_items_in_batch`` and is not a mean it knows,
+            see the module documentation): ``"mean"`` (micro-batches weighted by their share
+            of the labels that are not ``-100``, as the ``Trainer`` counts them, or of
+            ``items``) or ``"sum"`` (micro-batches added). Default: found out per micro-batch.
+        items: with ``reduction="mean"``, a function of a batch returning how many items its
+            loss averages over (e.g. ``lambda b: len(b["input_ids"])`` for a mean over rows).
         **search_options: passed to :func:`autobatch.search_batch_size` (``max_batch``,
             ``multiple_of``, ``steps_per_trial``, ``plan``, ``cache``, ...); ``max_batch``
             defaults to the length of the training dataset.
@@ -100,6 +117,14 @@ def autobatch_trainer(
     for name, value in (("find", find), ("guard", guard)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+    if reduction not in (None, "mean", "sum"):
+        raise ValueError(f"reduction must be None, 'mean' or 'sum', got {reduction!r}")
+    if items is not None and not callable(items):
+        raise TypeError(f"items must be a function of a batch, got {items!r}")
+    if items is not None and reduction != "mean":
+        raise ValueError(
+            "items= counts what a mean loss averages over: pass it with reduction='mean'"
+        )
     for reserved in ("step_fn", "loss_fn", "train", "scaler", "headroom", "min_batch"):
         if reserved in search_options:
             raise TypeError(
@@ -123,7 +148,8 @@ def autobatch_trainer(
                 len(result.trials), result.device,
             )
     if guard:
-        _common.Patch(trainer, "training_step", GuardedTrainingStep(trainer, original, min_batch))
+        _common.Patch(trainer, "training_step",
+                      GuardedTrainingStep(trainer, original, min_batch, reduction, items))
     return trainer
 
 
@@ -176,21 +202,74 @@ def _check_supported(trainer: Any) -> None:
 
 
 def _sample(trainer: Any) -> tuple[Any, int | None]:
-    """The first rows of the training dataset, collated as the trainer's dataloader does
-    (unused columns removed), and the dataset's length."""
+    """A batch of the training dataset's longest rows where their lengths can be had cheaply
+    (:func:`_row_lengths`), else of its first rows, collated as the trainer's dataloader does
+    (unused columns removed); and the dataset's length."""
     dataset = trainer.train_dataset
     if dataset is None:
         raise AutobatchError(
             "autobatch_trainer(find=True) needs trainer.train_dataset to take a sample from; "
             "pass sample= (a batch), or find=False"
         )
+    lengths = _row_lengths(trainer, dataset)  # (before the length column is removed)
     collate = trainer.data_collator
     if hasattr(dataset, "column_names") and hasattr(trainer, "_remove_unused_columns"):
         dataset = trainer._remove_unused_columns(dataset, description="training")
     elif hasattr(trainer, "_get_collator_with_removed_columns"):
         collate = trainer._get_collator_with_removed_columns(collate, description="training")
     rows = trainer.args.per_device_train_batch_size
-    return _common.first_rows(dataset, collate, rows), _common.dataset_length(dataset)
+    size = _common.dataset_length(dataset)
+    if lengths is not None and len(lengths) == size:
+        chosen = _common.longest_rows(lengths, rows)
+        logger.info(
+            "autobatch_trainer searches with the %d longest rows of train_dataset (%d long; "
+            "its first rows are at most %d)", len(chosen), lengths[chosen[0]],
+            max(lengths[:rows]),
+        )
+        return collate([dataset[i] for i in chosen]), size
+    examples = _common.first_examples(dataset, rows)
+    seen = [n for n in (_length(e, _input_name(trainer)) for e in examples) if n is not None]
+    if len(set(seen)) > 1 and trainer.is_world_process_zero():
+        logger.warning(
+            "autobatch_trainer searched with the first %d rows of train_dataset, whose lengths "
+            "differ (%d to %d), and could not find its longest rows cheaply: longer rows may "
+            "not fit at the size it finds. Give the lengths (a %r column, or "
+            "train_sampling_strategy='group_by_length'), or pass sample= (a batch of the "
+            "longest rows)", len(examples), min(seen), max(seen), trainer.args.length_column_name,
+        )
+    return collate(examples), size
+
+
+def _input_name(trainer: Any) -> str:
+    """The input whose length is a row's length, as the ``Trainer``'s length grouping reads it."""
+    processing = getattr(trainer, "processing_class", None)
+    names = getattr(processing, "model_input_names", None)
+    return str(names[0]) if names else "input_ids"
+
+
+def _length(example: Any, name: str) -> int | None:
+    value = example.get(name) if isinstance(example, Mapping) else None
+    try:
+        return None if value is None else len(value)
+    except TypeError:  # a number, a 0-d tensor
+        return None
+
+
+def _row_lengths(trainer: Any, dataset: Any) -> list[int] | None:
+    """Each row's length where it costs no more than the ``Trainer`` pays itself: a length
+    column (``args.length_column_name``), an in-memory list of rows, or the lengths the
+    ``Trainer``'s length-grouped sampling reads anyway; else ``None``."""
+    args = trainer.args
+    column = getattr(args, "length_column_name", "length")
+    if column in (getattr(dataset, "column_names", None) or ()):
+        return [int(n) for n in dataset[column]]
+    grouped = getattr(args, "train_sampling_strategy", None) in ("group_by_length",
+                                                                 "batch_rebalance")
+    if not (isinstance(dataset, (list, tuple)) or (grouped and _common.dataset_length(dataset))):
+        return None
+    name = _input_name(trainer)
+    lengths = [_length(dataset[i], name) for i in range(len(dataset))]
+    return None if any(n is None for n in lengths) else [int(n) for n in lengths if n is not None]
 
 
 def _raw(optimizer: Any) -> torch.optim.Optimizer:
@@ -312,17 +391,26 @@ class GuardedTrainingStep:
     """``trainer.training_step`` made to recover from OOM (installed by
     :func:`autobatch_trainer`); ``original`` is the trainer's own, ``stats`` what happened."""
 
-    def __init__(self, trainer: Any, original: Callable[..., Any], min_batch: int) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        original: Callable[..., Any],
+        min_batch: int,
+        reduction: str | None = None,
+        items: Callable[[Any], Any] | None = None,
+    ) -> None:
         self._trainer = weakref.ref(trainer)
         self.original = original
         self.min_batch = min_batch
-        self._steps: dict[str, RetryingStep[..., Any]] = {}
-        self._latest: RetryingStep[..., Any] | None = None
+        self.reduction = reduction
+        self._whole: Any = None
+        self._weighing = _trainer_loss.Weighing(trainer, user_name(original))
+        self._retrying = self._retrying_step(trainer, reduction, items)
 
     @property
     def stats(self) -> RecoveryStats:
-        """OOMs recovered and micro-batch sizes (of the loss normalisation in use)."""
-        return self._latest.stats if self._latest is not None else RecoveryStats()
+        """OOMs recovered and micro-batch sizes."""
+        return self._retrying.stats
 
     def __repr__(self) -> str:
         return f"<autobatch guarded training_step of {self.original!r}>"
@@ -330,79 +418,36 @@ class GuardedTrainingStep:
     def __call__(
         self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None
     ) -> torch.Tensor:
-        trainer = self._trainer()
-        if trainer is None:  # pragma: no cover - the trainer holds this object
-            raise AutobatchError("the trainer of this training_step is gone")
-        summed = _loss_summed(trainer, num_items_in_batch)
-        step = self._step(trainer, "sum" if summed else "mean")
-        self._latest = step
-        result: torch.Tensor = step(model, inputs, num_items_in_batch)
+        self._whole = inputs
+        try:
+            result: torch.Tensor = self._retrying(model, inputs, num_items_in_batch)
+        finally:
+            self._whole = None
         return result
 
-    def _step(self, trainer: Any, reduction: str) -> RetryingStep[..., Any]:
-        step = self._steps.get(reduction)
-        if step is None:
-            original = self.original
+    def _retrying_step(
+        self, trainer: Any, reduction: str | None, items: Callable[[Any], Any] | None
+    ) -> RetryingStep[..., Any]:
+        """The trainer's step through :func:`autobatch.retry_on_oom`: weighted by the engine
+        where ``reduction`` was declared, else by :class:`~._trainer_loss.Weighing`, inside
+        ``compute_loss`` (pieces that simply add for the engine)."""
+        original = self.original
 
-            def training_step(model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        def training_step(model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            whole = self._whole
+            if reduction is not None or whole is None or inputs is whole:
+                return original(model, inputs, num_items_in_batch)
+            with self._weighing.piece(inputs, whole):
                 return original(model, inputs, num_items_in_batch)
 
-            step = retry_on_oom(
-                policy="accumulate",
-                model=trainer.model,
-                reduction="sum" if reduction == "sum" else "mean",
-                items=_item_counter(trainer) if reduction == "mean" else None,
-                batch_arg="inputs",
-                min_batch=self.min_batch,
-                device=trainer.args.device,
-            )(named_after(training_step, original))  # messages name the trainer's own step
-            self._steps[reduction] = step
-        return step
-
-
-def _loss_summed(trainer: Any, num_items_in_batch: Any) -> bool:
-    """Whether the trainer's loss is normalised over the whole accumulation window (pieces add
-    up), as ``Trainer.training_step`` decides it; else it is a mean per batch."""
-    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
-    if scaled is not None:
-        return bool(scaled)
-    if num_items_in_batch is None:
-        return False
-    return bool(trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
-
-
-def _shifts_labels(trainer: Any) -> bool:
-    """Whether the model's loss predicts ``labels[..., 1:]`` (a causal language model): the
-    trainer's own finding, or the model's loss function where the trainer could not tell (a
-    model whose ``loss_type`` is unset falls back to the causal LM loss)."""
-    if getattr(trainer, "_loss_shifts_labels", False):
-        return True
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return False
-    try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
-    except ImportError:  # pragma: no cover - older transformers
-        return False
-    return getattr(model, "loss_function", None) is ForCausalLMLoss
-
-
-def _item_counter(trainer: Any) -> Callable[[Any], Any]:
-    """How many items a batch's mean loss averages over: its labels that are not ignored."""
-    shifts = _shifts_labels(trainer)
-
-    def count(batch: Any) -> Any:
-        labels = None
-        if hasattr(batch, "keys"):
-            if "shift_labels" in batch:
-                labels = batch["shift_labels"]
-            elif "labels" in batch:
-                labels = batch["labels"]
-                if shifts and isinstance(labels, torch.Tensor):
-                    labels = labels[..., 1:]
-        if not isinstance(labels, torch.Tensor):
-            return _common.rows_of(batch)
-        return (labels != _IGNORE_INDEX).sum()
-
-    return count
+        if reduction == "mean" and items is None:
+            items = _trainer_loss.trainer_counter(trainer)
+        return retry_on_oom(
+            policy="accumulate",
+            model=trainer.model,
+            reduction="mean" if reduction == "mean" else "sum",
+            items=items if reduction == "mean" else None,
+            batch_arg="inputs",
+            min_batch=self.min_batch,
+            device=trainer.args.device,
+        )(named_after(training_step, original))  # messages name the trainer's own step
