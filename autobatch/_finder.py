@@ -184,6 +184,9 @@ def _measured_search(
         notes.append("no optimizer given: forward and backward only, optimizer state not counted")
     if not spec.train:
         notes.append("inference: forward only under torch.inference_mode(), model in eval mode")
+    elif not model.training:
+        notes.append("the model was in eval mode: measured in train mode (as training runs "
+                     "it, dropout included), then put back in eval mode")
     sync = sync_ranks and _distributed.active()
     capacity = memory.capacity_bytes()
     budget = capacity
@@ -217,11 +220,11 @@ def _measured_search(
     ) as work:
         counted = work.optimizer is not None or spec.step_fn is not None
         if not memory.has_statistics and spec.max_batch is None and target.type == "cpu":
-            warnings.warn(
-                "searching host memory without max_batch: the search doubles the batch until the "
-                "CPU allocator fails, which may first push the machine into swap or the OOM killer. "
-                "Pass max_batch= (e.g. len(dataset)), or test under autobatch.testing.SimulatedGPU",
-                stacklevel=user_stacklevel(),
+            raise ValueError(
+                "searching host memory needs max_batch=: the CPU's allocator keeps no statistics, "
+                "so the search would double the batch until it fails, which on a machine with swap "
+                "means swapping, or the kernel's OOM killer, long before a Python error. Pass "
+                "max_batch= (e.g. len(dataset)), or test under autobatch.testing.SimulatedGPU"
             )
         if work.measured_eager:
             notes.append(

@@ -82,10 +82,17 @@ def prepared(
     scaler: Any,
 ) -> Iterator[Workload]:
     """The one setup and teardown around trials: the optimizer made, everything a trial may
-    change saved (:class:`~autobatch._state.Snapshot`), the model in eval mode for inference;
+    change saved (:class:`~autobatch._state.Snapshot`), the model in eval mode for inference
+    and, where it was in eval mode as a whole, in train mode for training;
     afterwards gradients dropped, everything put back, the device's peak counter raised back to
     what it would read had no trial reset it (``work.memory``, :class:`PeakKeeping`, is what
     trials measure with) and the device cache emptied, also when a trial raised."""
+    if train and step_fn is None and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "train=True, but the model has nothing to train: none of its parameters requires "
+            "a gradient. Unfreeze what you train (p.requires_grad_(True)), or pass train=False "
+            "to size inference"
+        )
     made = make_optimizer(optimizer if train else None, model)
     _warn_uncounted(memory, model, made if made is optimizer else None)
     snapshot = Snapshot(
@@ -116,6 +123,8 @@ def prepared(
     try:
         if not train:
             model.eval()
+        elif not model.training:  # (a from_pretrained model, or one right after validation)
+            model.train()  # dropout as training runs it; the snapshot puts each mode back
         yield work
     finally:
         views.close()

@@ -3,8 +3,9 @@
     python benchmarks/gpu_check.py            # on a CUDA/ROCm machine (a few minutes on an H200)
     python benchmarks/gpu_check.py --dry-run  # the same checks on a SimulatedGPU (CPU), to test it
 
-1. find_max_batch under ``torch.cuda.set_per_process_memory_fraction`` caps: the answer fits for
-   two real steps, the next size does not, and allocated memory after the search equals before.
+1. find_max_batch under ``torch.cuda.set_per_process_memory_fraction`` caps: the answer fits in
+   five steps of a user's own loop from a fresh AdamW (a new batch copied from host memory each
+   step), the next size does not, and allocated memory after the search equals before.
 2. plan_max_batch against ``torch.cuda.max_memory_allocated`` of the same real step (goal: 5%).
 3. The simulator's peak (CPU) against the GPU's peak for the same steady-state AdamW step
    (``foreach=True`` on both sides, the GPU's default): the bytes resident before the step, the
@@ -59,6 +60,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 import autobatch
 from autobatch._backends import DeviceMemory, memory_for
@@ -140,21 +142,29 @@ def _trainer(
 GUARD_OPTIMIZER: dict[str, Any] = {"optimizer": torch.optim.SGD, "lr": 0.1, "momentum": 0.9}
 
 
-def _two_steps_fit(
-    model: nn.Module, sample: Any, n: int, device: torch.device, state: dict[str, torch.Tensor]
+def _loop_fits(
+    model: nn.Module, sample: Any, n: int, device: torch.device, state: dict[str, torch.Tensor],
+    steps: int = 5,
 ) -> bool:
-    """Two real AdamW steps at ``n`` from a fresh optimizer; ``state`` (kept in host memory,
-    taken before the cap) puts the weights back."""
+    """A user's own loop at ``n``: a fresh AdamW, each step a new batch copied from host
+    memory and the last loss held until the next one, ``steps`` steps; ``state`` (kept in host
+    memory, taken before the cap) puts the weights back."""
     opt = torch.optim.AdamW(model.parameters())
     failed = False
+    with _disable_current_modes():  # host memory (which a simulated GPU must not count)
+        host = [sample(n) for _ in range(2)]
     try:
-        x, y = (t.to(device) for t in sample(n))
-        _step(model, opt, x, y)
-        _step(model, opt, x, y)
+        for i in range(steps):
+            x, y = (t.to(device, copy=True) for t in host[i % 2])
+            opt.zero_grad()
+            loss = CE(model(x), y)
+            loss.backward()
+            opt.step()
     except Exception as error:
         if not autobatch.is_oom_error(error):
             raise
         failed = True
+    x = y = loss = None  # noqa: F841
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for key, value in model.state_dict().items():
@@ -188,8 +198,8 @@ def check_finder(device: torch.device, dry_run: bool, workloads: Workloads) -> l
                 seconds = time.perf_counter() - start
                 after = memory_for(device).allocated_bytes()
                 n = result.max_batch_size
-                fits = _two_steps_fit(model, sample, n, device, state)
-                over = _two_steps_fit(model, sample, n + 1, device, state)
+                fits = _loop_fits(model, sample, n, device, state)
+                over = _loop_fits(model, sample, n + 1, device, state)
             rows.append(
                 f"| {name} | {cap / 2**30:.2f} GiB | {n} | {len(result.trials)} "
                 f"({result.oom_trials}) | {fits} | {not over} | {after == before} | {seconds:.1f} |"

@@ -597,7 +597,7 @@ def test_library_cache_reuses_a_result_for_the_same_setup(tmp_path: Any) -> None
 
 
 @pytest.mark.slow
-def test_unbounded_search_of_host_memory_warns() -> None:
+def test_unbounded_search_of_host_memory_is_refused() -> None:
     model = nn.Linear(4, 2)
 
     def step(m: nn.Module, batch: torch.Tensor) -> None:
@@ -605,8 +605,9 @@ def test_unbounded_search_of_host_memory_warns() -> None:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
         m(batch).sum().backward()
 
-    with pytest.warns(UserWarning, match="max_batch"):
-        assert find_max_batch(model, torch.randn(2, 4), step_fn=step, headroom=0) == 64
+    with pytest.raises(ValueError, match="max_batch"):
+        find_max_batch(model, torch.randn(2, 4), step_fn=step, headroom=0)
+    assert find_max_batch(model, torch.randn(2, 4), step_fn=step, headroom=0, max_batch=1000) == 64
 
 
 def test_a_model_the_simulator_does_not_count_is_warned_about() -> None:

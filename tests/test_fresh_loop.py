@@ -116,3 +116,39 @@ def test_under_caching_the_largest_size_trains_five_steps_and_one_more_does_not(
     n = result.max_batch_size
     assert fresh_loop_fits(template, sample, n, capacity, **simulator)
     assert not fresh_loop_fits(template, sample, n + 1, capacity, **simulator)
+
+
+def test_23_5_a_model_in_eval_mode_is_measured_as_it_trains_and_put_back() -> None:
+    """A from_pretrained model is in eval mode: measured so, dropout drew no masks and the
+    size found ran out of memory in training."""
+    torch.manual_seed(0)
+    template = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.5), nn.Linear(256, 10))
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _vectors(n, 64)
+
+    trained = _found(template.train(), sample, "4MiB")
+    evaluated = _found(template.eval(), sample, "4MiB")
+    assert evaluated.max_batch_size == trained.max_batch_size
+    assert any("eval mode" in note for note in evaluated.notes)
+    assert not template.training  # its own mode, put back
+    assert fresh_loop_fits(template.train(), sample, evaluated.max_batch_size, "4MiB",
+                           allocator="caching")
+
+
+def test_23_8_a_model_with_nothing_to_train_gets_a_clear_error() -> None:
+    model = mlp()
+    model.requires_grad_(False)
+    with SimulatedGPU("4MiB"), pytest.raises(ValueError, match="nothing to train"):
+        search_batch_size(model, _vectors(4), torch.optim.SGD, loss_fn=CE)
+
+
+def test_23_7_host_memory_is_not_searched_without_a_cap() -> None:
+    """On a plain CPU (no statistics) the search used to double to two million rows, heading
+    for swap: without max_batch it is refused before any trial."""
+    model = mlp()
+    with pytest.raises(ValueError, match="needs max_batch="):
+        search_batch_size(model, _vectors(4), torch.optim.SGD, loss_fn=CE, device="cpu")
+    result = search_batch_size(model, _vectors(4), torch.optim.SGD, loss_fn=CE, device="cpu",
+                               max_batch=16)
+    assert result.max_batch_size == 16
