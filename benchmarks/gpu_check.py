@@ -164,7 +164,7 @@ def _loop_fits(
         if not autobatch.is_oom_error(error):
             raise
         failed = True
-    x = y = loss = None  # noqa: F841
+    x = y = loss = None
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
         for key, value in model.state_dict().items():

@@ -67,6 +67,7 @@ def test_the_largest_size_trains_in_a_fresh_loop_and_one_more_does_not(
     assert fresh_loop_fits(template, sample, n, capacity, steps=CACHING_STEPS, **simulator)
     assert not fresh_loop_fits(template, sample, n + 1, capacity, steps=CACHING_STEPS, **simulator)
     assert all(t.steps >= CACHING_STEPS for t in result.trials if t.fits)
+    assert len(result.trials) == 4, result.trials  # 2, 8, the answer, one more
 
 
 def test_23_1_the_optimizer_state_is_made_by_a_real_first_step() -> None:
@@ -152,3 +153,83 @@ def test_23_7_host_memory_is_not_searched_without_a_cap() -> None:
     result = search_batch_size(model, _vectors(4), torch.optim.SGD, loss_fn=CE, device="cpu",
                                max_batch=16)
     assert result.max_batch_size == 16
+
+
+# Hugging Face models from small configs (random weights) ----------------------------------
+
+
+def _hf(name: str) -> tuple[nn.Module, Any]:
+    transformers = pytest.importorskip("transformers")
+    length = 16
+
+    def tokens(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 100, (n, length))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    def pairs(n: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.randint(0, 100, (n, length)),
+                "labels": torch.randint(0, 100, (n, 8))}
+
+    def images(n: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": torch.randn(n, 3, 32, 32), "labels": torch.randint(0, 10, (n,))}
+
+    small = {"num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+    if name == "gpt2":
+        config = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2,
+                                         n_head=2)
+        return transformers.GPT2LMHeadModel(config), tokens
+    if name == "bert":
+        config = transformers.BertConfig(vocab_size=100, hidden_size=32,
+                                         max_position_embeddings=32, **small)
+        return transformers.BertForMaskedLM(config), tokens
+    if name == "t5":
+        config = transformers.T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=2,
+                                       num_heads=2, d_kv=16, decoder_start_token_id=0)
+        return transformers.T5ForConditionalGeneration(config), pairs
+    if name == "llama":
+        config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, num_key_value_heads=1,
+                                          max_position_embeddings=32, **small)
+        return transformers.LlamaForCausalLM(config), tokens
+    config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_labels=10,
+                                    **small)
+    return transformers.ViTForImageClassification(config), images
+
+
+def _hf_loop_fits(template: nn.Module, sample: Any, n: int, capacity: str, expandable: bool) -> bool:
+    """The user's own loop for a Hugging Face model: ``loss = model(**batch).loss``."""
+    model = copy.deepcopy(template).train()
+    host = [sample(n) for _ in range(2)]
+    try:
+        with SimulatedGPU(capacity, allocator="caching", expandable_segments=expandable) as gpu:
+            gpu.adopt(model)
+            opt = torch.optim.AdamW(model.parameters())
+            for i in range(CACHING_STEPS):
+                batch = {k: v.clone() for k, v in host[i % 2].items()}
+                opt.zero_grad()
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+@pytest.mark.parametrize(
+    "name", ["gpt2", *(pytest.param(n, marks=pytest.mark.slow) for n in ("bert", "t5", "llama", "vit"))]
+)
+def test_hugging_face_models_are_exact_in_four_trials_under_caching(
+    name: str, expandable: bool
+) -> None:
+    torch.manual_seed(0)
+    template, sample = _hf(name)
+    template.train()
+    model = copy.deepcopy(template)
+    rows = sample(4)
+    with SimulatedGPU("12MiB", allocator="caching", expandable_segments=expandable) as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, rows, torch.optim.AdamW, headroom=0)
+    n = result.max_batch_size
+    assert _hf_loop_fits(template, sample, n, "12MiB", expandable)
+    assert not _hf_loop_fits(template, sample, n + 1, "12MiB", expandable)
+    assert [t.fits for t in result.trials] == [True, True, True, False], result.trials
