@@ -35,6 +35,16 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def lone_replica(modules: Sequence[nn.Module]) -> bool:
+    """Whether a process group of one rank is initialised and one of ``modules`` is (or holds)
+    a ``DistributedDataParallel`` module: its reducer runs in every backward all the same, so
+    the trials and attempts go through the same agreement as under several ranks (every vote
+    then has one voter)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != 1:
+        return False
+    return any(isinstance(m, DistributedDataParallel) for top in modules for m in top.modules())
+
+
 def rank() -> int:
     """This process's rank (0 without a process group)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

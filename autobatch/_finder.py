@@ -187,7 +187,9 @@ def _measured_search(
     elif not model.training:
         notes.append("the model was in eval mode: measured in train mode (as training runs "
                      "it, dropout included), then put back in eval mode")
-    sync = sync_ranks and _distributed.active()
+    sync = sync_ranks and (_distributed.active() or _distributed.lone_replica(
+        [model, *modules_referenced(spec.loss_fn, spec.step_fn)]
+    ))
     capacity = memory.capacity_bytes()
     budget = capacity
     if memory.has_statistics:  # other processes, or a per-process cap, may leave us less

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from _faults import PHASES, oom_over
 from _ranks import run_ranks
 from torch import nn
@@ -625,3 +626,53 @@ def test_finder_on_a_ddp_model_of_one_rank_runs_ddp_as_it_is(tmp_path: Path) -> 
     (alone,) = run_ranks(_ddp_alone, 1, tmp_path, timeout=60)
     assert alone["fits"], alone
     assert not alone["n+1"], alone
+
+
+def test_ddp_on_a_process_group_of_one_rank_is_searched_and_recovered_exactly(
+    tmp_path: Path,
+) -> None:
+    """``torchrun --nproc_per_node 1``: DDP's reducer runs in every backward with one rank too.
+    The finder used to fail on the trial after an OOM (the reducer left mid-reduction), and the
+    guard refused DDP's own bucket writes; both now go through the ranks' agreement."""
+    from autobatch.testing import SimulatedGPU, inject_oom
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1
+    )
+    try:
+        def train(guarded: bool) -> list[torch.Tensor]:
+            torch.manual_seed(0)
+            model = nn.parallel.DistributedDataParallel(
+                nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+            )
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+            def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+                opt.step()
+
+            run = autobatch.retry_on_oom(step, optimizer=opt) if guarded else step
+            generator = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                batch = (torch.randn(8, 4, generator=generator, dtype=torch.float64),
+                         torch.randint(0, 3, (8,), generator=generator))
+                with inject_oom(batch_over=4) if guarded else contextlib.nullcontext():
+                    run(batch)
+            if guarded:
+                assert run.stats.ooms >= 1  # type: ignore[attr-defined]
+            return [p.detach().clone() for p in model.parameters()]
+
+        for a, b in zip(train(False), train(True), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
+
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with SimulatedGPU("1MiB", adopt=[model]):
+            result = autobatch.search_batch_size(
+                model, (torch.randn(4, 4), torch.randint(0, 3, (4,))), opt
+            )  # (the default headroom: a trial after the one that ran out)
+        assert result.max_batch_size > result.batch_size > 100
+        assert any(not t.fits for t in result.trials)
+    finally:
+        dist.destroy_process_group()

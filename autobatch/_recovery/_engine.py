@@ -98,6 +98,7 @@ class _Engine:
         self.calls = 0
         self.warned: set[str] = set()
         self.coordination: _Coordination | None = None
+        self._lone: tuple[int, bool] | None = None  # (modules known, a DDP module under one rank)
         self.named = _modules_of(fn)
         if options.model is not None:
             self.named = {"model": options.model, **self.named}
@@ -114,8 +115,14 @@ class _Engine:
 
     def coordinated(self) -> _Coordination | None:
         """The agreement with the other ranks, under a process group (unless ``sync_ranks=False``)."""
-        if not (self.options.sync_ranks and _distributed.active()):
+        if not self.options.sync_ranks:
             return None
+        if not _distributed.active():  # (a DDP module under one rank: the same agreement)
+            known = len(self.known.modules)
+            if self._lone is None or self._lone[0] != known:
+                self._lone = (known, _distributed.lone_replica(self.known.modules))
+            if not self._lone[1]:
+                return None
         if self.coordination is None:
             self.coordination = _Coordination(self)
         return self.coordination
