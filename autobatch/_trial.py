@@ -218,15 +218,20 @@ class _SteadyState:
 class TrialRunner:
     """Runs the step at a size and reports a :class:`~autobatch._search.Trial`.
 
-    ``make_batch(n)`` builds the batch on the device, ``step(batch)`` runs one step. Every trial
-    starts from the same state: ``cleanup`` (dropping the gradients) runs first, so no part of
-    a trial's memory depends on what the trial before it left. After a failure the runner
-    leaves the ``except`` block, cleans up and frees cached memory before the next trial.
-    Under a caching allocator (CUDA, the caching simulator) every trial starts from an empty
-    cache and runs until its reserved memory stops growing (see :class:`_SteadyState`): the
-    trial's ``reserved_bytes`` is that steady state's peak, and its ``steps`` how many ran.
-    Ranks that search together pass ``adaptive=False``: every trial then runs exactly one step
-    more, so that all of them run the same steps.
+    ``make_batch(n)`` builds the batch on the device, ``step(batch)`` runs one step; each step
+    gets a new batch, made while the last one is still held, as a training loop does. Every
+    trial starts from the same state: ``cleanup`` (dropping the gradients, the last loss, and
+    where the search replays the user's first steps the optimizer's fresh state) runs before
+    and after it, so no part of a trial's memory depends on what the trial before it left.
+    After a failure the runner leaves the ``except`` block, cleans up and frees cached memory
+    before the next trial. Under a caching allocator (CUDA, the caching simulator) every trial
+    starts from an empty cache, runs :data:`CACHING_STEPS` steps at least, and more while its
+    reserved memory still grows (see :class:`_SteadyState`): the trial's ``reserved_bytes`` is
+    the peak, and its ``steps`` how many ran. Ranks that search together pass
+    ``adaptive=False``: every trial then runs those steps only, so that all of them run the
+    same steps. Where the backend has a copy of its allocator (:meth:`~autobatch._backends.
+    DeviceMemory.allocation_model`), two trials' storages replayed through it say which sizes
+    fit (the trial's ``curve``, see :func:`~autobatch._measure._replayed_curve`).
     With ``per_operator`` (and memory statistics) the outcome's parts are the peaks of every
     operator the trial dispatched (see :class:`_StepPeaks`); its phases, the peaks outside and
     inside ``optimizer.step``, are measured either way.
