@@ -3,11 +3,9 @@ simulated GPU: the size it finds, the state it leaves, and training that recover
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import doctest
 import gc
-import io
 import logging
 import math
 import random
@@ -19,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _logs import logging_set_up, nothing_configured
 from torch import nn
 from torch.nn import functional as F
 
@@ -637,29 +636,11 @@ def test_22_2_every_feature_recovers_to_the_unguarded_fit(
 # What a user sees -----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _nothing_configured() -> Iterator[io.StringIO]:
-    """As in a script that set up no logging: no handler on the root logger, so Python's
-    last-resort handler (WARNING and above, on stderr) shows records; here into a buffer."""
-    root = logging.getLogger()
-    handlers, level, last = root.handlers[:], root.level, logging.lastResort
-    stream = io.StringIO()
-    resort = logging.StreamHandler(stream)
-    resort.setLevel(logging.WARNING)
-    root.handlers, logging.lastResort = [], resort
-    root.setLevel(logging.WARNING)
-    try:
-        yield stream
-    finally:
-        root.handlers, logging.lastResort = handlers, last
-        root.setLevel(level)
-
-
 def test_22_4_the_size_and_each_recovered_oom_reach_a_user_who_configured_nothing_once(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     found, guard = AutobatchCallback(guard=False, progress=True), AutobatchCallback(find=False)
-    with _nothing_configured() as stream:
+    with nothing_configured() as stream:
         _fit(tmp_path, _Net(), SMALL, [found], limit_train_batches=0)
         _fit(tmp_path, _Net(), LARGE, [guard])  # (no OOM: nothing said)
         module = _Net()
@@ -684,18 +665,9 @@ def test_22_4_the_size_and_each_recovered_oom_reach_a_user_who_configured_nothin
 def test_22_4_with_logging_set_up_no_line_is_shown_twice(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    root, top = logging.getLogger(), logging.getLogger("autobatch")
-    root.addHandler(handler)
-    top.setLevel(logging.INFO)
     found = AutobatchCallback(guard=False, progress=True)
-    try:
+    with logging_set_up() as records:
         _fit(tmp_path, _Net(), SMALL, [found], limit_train_batches=0)
-    finally:
-        root.removeHandler(handler)
-        top.setLevel(logging.NOTSET)
     assert found.result is not None
     trials = [r for r in records if r.name == "autobatch.trial"]
     assert len(trials) == len(found.result.trials)

@@ -4,10 +4,8 @@ recover from OOM exactly (also with gradient accumulation and a loss averaged pe
 
 from __future__ import annotations
 
-import contextlib
 import doctest
 import gc
-import io
 import logging
 import math
 import random
@@ -17,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _logs import logging_set_up, nothing_configured
 from torch import nn
 from torch.nn import functional as F
 
@@ -933,24 +932,6 @@ def test_22_3_grouping_by_length_gives_the_search_the_longest_rows(tmp_path: Any
 # What a user sees -----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _nothing_configured() -> Iterator[io.StringIO]:
-    """As in a script that set up no logging: no handler on the root logger, so Python's
-    last-resort handler (WARNING and above, on stderr) shows records; here into a buffer."""
-    root = logging.getLogger()
-    handlers, level, last = root.handlers[:], root.level, logging.lastResort
-    stream = io.StringIO()
-    resort = logging.StreamHandler(stream)
-    resort.setLevel(logging.WARNING)
-    root.handlers, logging.lastResort = [], resort
-    root.setLevel(logging.WARNING)
-    try:
-        yield stream
-    finally:
-        root.handlers, logging.lastResort = handlers, last
-        root.setLevel(level)
-
-
 def _search_with_progress(tmp_path: Any) -> Any:
     model = _gpt2(torch.float32)
     trainer = _trainer(model, tmp_path, batch=8)
@@ -963,7 +944,7 @@ def _search_with_progress(tmp_path: Any) -> Any:
 def test_22_4_the_size_and_each_recovered_oom_reach_a_user_who_configured_nothing_once(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with _nothing_configured() as stream:
+    with nothing_configured() as stream:
         found = _search_with_progress(tmp_path)
         guarded = _split_run(_token_trainer(tmp_path))
         assert logging.getLogger().handlers == []  # the library configured nothing
@@ -987,17 +968,8 @@ def test_22_4_the_size_and_each_recovered_oom_reach_a_user_who_configured_nothin
 def test_22_4_with_logging_set_up_no_line_is_shown_twice(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    root, top = logging.getLogger(), logging.getLogger("autobatch")
-    root.addHandler(handler)
-    top.setLevel(logging.INFO)
-    try:
+    with logging_set_up() as records:
         found = _search_with_progress(tmp_path)
-    finally:
-        root.removeHandler(handler)
-        top.setLevel(logging.NOTSET)
     result = search_result(found)
     assert result is not None
     trials = [r for r in records if r.name == "autobatch.trial"]
