@@ -28,11 +28,13 @@ from autobatch import _fsdp
 from autobatch._accounting import DispatchMode
 from autobatch._errors import AutobatchError
 
+_AVAILABLE = dist.is_available()
+
 
 def active() -> bool:
     """Whether a process group of more than one rank is initialised (cheap when none is: the
     recovery engine asks on every step)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def lone_replica(modules: Sequence[nn.Module]) -> bool:

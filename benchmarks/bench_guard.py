@@ -105,18 +105,34 @@ def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
 
         return run
 
+    def backward_only(batch: Batch) -> None:  # accumulates over calls; the caller steps
+        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+
+    guarded_backward = retry_on_oom(optimizer=opt)(backward_only)
+
     step(batches[0])  # Adam's state exists
     guarded(batches[0])  # the first call watches which modules run
-    guarded_noop(batches[0])
+    opt.zero_grad()
+    guarded_noop(batches[0])  # (a step that leaves no gradients behind)
     plain_time = min(_per_step(loop(step, False), steps) for _ in range(rounds))
     relative, absolute = _paired(loop(step, False), loop(guarded, True), rounds, steps)
     _, fixed = _paired(loop(noop, False), loop(guarded_noop, True), rounds, steps)
+    opt.zero_grad()
+    guarded_backward(batches[0])  # gradients carried from now on
+    backward_relative, backward_absolute = _paired(
+        loop(backward_only, False), loop(guarded_backward, True), rounds, steps
+    )
+    params = sum(1 for _ in model.parameters())
+    opt.zero_grad()
     return [
         f"| {name}, batch {size} | plain step (min) | {plain_time * 1e6:.1f} | |",
         f"| {name}, batch {size} | the same step, @retry_on_oom(optimizer=opt) inside oom_guard"
         f" | {absolute * 1e6:+.1f} | {relative:+.2%} |",
         f"| {name}, batch {size} | guard + decorator around a no-op step (the bare machinery) | "
         f"{fixed * 1e6:+.2f} | {fixed / plain_time:+.2%} |",
+        f"| {name}, batch {size} | forward and backward without optimizer step (gradients "
+        f"carried to the next call: {params} of them kept apart) | {backward_absolute * 1e6:+.1f}"
+        f" | {backward_relative:+.2%} |",
     ]
 
 

@@ -110,10 +110,19 @@ class _Known:
         self.writes_params = False  # it changes parameters outside its optimizer step
         self.carries = False  # gradients are left for the next call to add to
         self.compiled = False
+        self.graphless = True  # nothing in `changing` requires gradients
         for optimizer in optimizers:
             self._add_params(p for g in optimizer.param_groups for p in g["params"])
         for module in modules:
             self.add_module(module)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the step is known to change nothing an unwatched attempt must copy or count."""
+        return not (
+            self.changing or self.metrics or self.writes_params or self.writes_batch
+            or self.carries
+        )
 
     def add_params(self, params: Iterable[torch.Tensor]) -> None:
         """Watch these parameters too (found receiving gradients outside the known modules)."""
@@ -156,14 +165,22 @@ class _Known:
         if added:
             with torch.no_grad(), _rules.engine_work():
                 self.shadows = [torch.empty_like(t) for t in self.changing]
+            self.graphless = not any(t.requires_grad for t in self.changing)
 
     def save(self) -> _Shadows | None:
-        """Copy what is known to change into its shadows; ``None`` when there is nothing."""
+        """Copy what is known to change into its shadows; ``None`` when there is nothing.
+
+        On every unwatched attempt, so kept cheap: one fused copy, entered into ``no_grad``
+        only for state that requires gradients and out of dispatch modes only where one is on
+        (each costs more than the copy of a few BatchNorm buffers)."""
         if not self.changing and not self.metrics:
             return None
         if self.changing:
-            with torch.no_grad(), _disable_current_modes():  # (allocates nothing)
+            if self.graphless and not torch._C._len_torch_dispatch_stack():
                 torch._foreach_copy_(self.shadows, self.changing)
+            else:
+                with torch.no_grad(), _disable_current_modes():  # (allocates nothing)
+                    torch._foreach_copy_(self.shadows, self.changing)
         metrics = [_rules._metric_state(m) for m in self.metrics]
         return self.changing, self.shadows, metrics
 
@@ -180,6 +197,7 @@ class _Known:
 
 
 _Shadows = tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]
+_NOTHING: list[Any] = []  # (shared, never appended to)
 
 
 class _Host(Protocol):
@@ -209,15 +227,20 @@ def _carrying_backward(
         for p, g in aside:
             p.grad = g
         raise
+    strided: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     with torch.no_grad():
         for p, g in aside:
             new = p.grad
             if new is None:
                 p.grad = g
             elif g.layout == torch.strided and new.layout == torch.strided:
-                p.grad = g.add_(new)
+                strided[0].append(g)
+                strided[1].append(new)
+                p.grad = g
             else:
                 p.grad = g + new
+        if strided[0]:  # (one fused addition, as autograd's in-place accumulation)
+            torch._foreach_add_(*strided)
     return result
 
 
@@ -233,28 +256,34 @@ class _Attempt:
     )
 
     def __init__(self, engine: _Host, batch: list[torch.Tensor] | None = None) -> None:
+        # On every step of the fast path: what a step not known to change anything (the
+        # common case) needs is set in a few assignments, the rest only where it is known.
         known = engine.known
         self.engine = engine
         self.stepped: list[torch.optim.Optimizer] = []
         self.ours_stepped = False
         self.params = known.params
+        self.firsts: dict[int, list[tuple[torch.Tensor, int]]] | None = None
+        self.patch: Any = None
+        self.token: contextvars.Token[_Attempt | None] | None = None
+        self.carried: list[tuple[torch.Tensor, torch.Tensor]] = _NOTHING
+        self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None = None
+        if known.plain:
+            self.versions = self.shadows = self.batch_versions = None
+            return
         # the parameters' versions, where the step is known to change them outside its
         # optimizer step (an EMA before it); each first step records its own (optimizer_stepping)
         self.versions = list(map(_VERSION, known.params)) if known.writes_params else None
-        self.firsts: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.shadows = known.save()
         self.batch_versions = (
             [(t, t._version) for t in batch] if batch is not None and known.writes_batch else None
         )
-        self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None = None
-        self.carried: list[tuple[torch.Tensor, torch.Tensor]] = []
         if known.carries:
             self.grads = [
-                (p, p.grad, -1 if p.grad is None else p.grad._version) for p in known.params
+                (p, g, -1 if g is None else g._version) for p in known.params
+                for g in (p.grad,)
             ]
             self.carried = [(p, g) for p, g, _ in self.grads if g is not None]
-        self.patch: Any = None
-        self.token: contextvars.Token[_Attempt | None] | None = None
 
     def __enter__(self) -> _Attempt:
         self.token = _ATTEMPT.set(self)
@@ -277,6 +306,8 @@ class _Attempt:
     def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
         self.stepped.append(optimizer)
         self.ours_stepped = self.ours_stepped or any(optimizer is o for o in self.engine.optimizers)
+        if self.firsts is None:
+            self.firsts = {}
         if not optimizer.state and id(optimizer) not in self.firsts:  # its first step
             self.firsts[id(optimizer)] = [
                 (p, p._version) for g in optimizer.param_groups for p in g["params"]
@@ -290,7 +321,8 @@ class _Attempt:
                 p for p, version in zip(self.params, self.versions, strict=True)
                 if p._version != version
             ]
-        return [p for first in self.firsts.values() for p, v in first if p._version != v]
+        firsts = self.firsts or {}
+        return [p for first in firsts.values() for p, v in first if p._version != v]
 
     def rollback(self) -> None:
         """Put the known-changing state back as it was when the attempt began, and the
@@ -368,7 +400,7 @@ class _Attempt:
                     "after the step, or move that work out of the step"
                 ) from failure.exc
             return
-        fresh = id(inside) in self.firsts
+        fresh = self.firsts is not None and id(inside) in self.firsts
         if first_step_retryable(inside, fresh=fresh, params_changed=bool(changed)):
             return
         raise first_step_error(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from torch import nn
 
@@ -44,7 +44,7 @@ class RetryingStep(Generic[P, R]):
         self._engine = _Engine(fn, options)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        return cast(R, self._engine.run(args, kwargs))
+        return self._engine.run(args, kwargs)  # type: ignore[no-any-return]
 
     def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., R]:
         if obj is None:

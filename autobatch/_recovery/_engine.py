@@ -246,29 +246,38 @@ class _Engine:
             # the first call (watched, to learn what the step changes), memory ran short
             # before (pieces, measured), or every step is agreed by all ranks
             return self.call(args, kwargs)
-        # The fast path: a try, the parameters' version counters, a copy of the state known to
-        # change before the optimizer step (if any).
-        attempt = _Attempt(self, self._batch_tensors(args, kwargs))
-        result, failure = self._attempted(attempt, args, kwargs)
-        if failure is None:
-            self.calls += 1
-            if not attempt.ours_stepped and (self.optimizers or self.keeps_gradients):
-                self._note_carried()
-            if self.watch.step_done(self._watched()):
-                self._thrashing(self._locate(args, kwargs))
-            return result
-        return self.call(args, kwargs, failure, attempt)
+        # The fast path, paid by every step that does not run out of memory, so written out
+        # here: an attempt (the optimizer steps that begin, and what the step is known to
+        # change, copied), a try, and a look at the allocator's retries.
+        known = self.known
+        attempt = _Attempt(self, self._batch_tensors(args, kwargs) if known.writes_batch else None)
+        failure = None
+        try:
+            with attempt:
+                result = self.fn(*args, **kwargs)
+        except BaseException as exc:
+            failure = self._capture(exc)
+            if failure is None:
+                raise
+        if failure is not None:  # (out of the except block: the recovery holds no traceback)
+            return self.call(args, kwargs, failure, attempt)
+        self.calls += 1
+        if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
+            self._note_carried()
+        if self.watch.step_done(self._watched()):
+            self._thrashing(self._locate(args, kwargs))
+        return result
 
     def _note_carried(self) -> None:
         """A call ended without an optimizer step of the step's own: if it left gradients, the
         next call may add to them (accumulation across calls)."""
-        if not self.known.carries and any(p.grad is not None for p in self.known.params):
-            self.known.carries = True
+        for p in self.known.params:
+            if p.grad is not None:
+                self.known.carries = True
+                return
 
-    def _batch_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor] | None:
-        """The batch's tensors, where the step is known to write its batch in place."""
-        if not self.known.writes_batch:
-            return None
+    def _batch_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The batch's tensors (for a step known to write its batch in place)."""
         return list(tensors(self._locate(args, kwargs)))
 
     def _attempted(

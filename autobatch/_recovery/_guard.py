@@ -24,17 +24,17 @@ T = TypeVar("T")
 
 
 def _rows(batch: Batch) -> int:
-    """Rows of a batch for statistics only: a fast look at the first tensor, else batch_size."""
+    """Rows of a batch for statistics only: a fast look at the first tensor (on every batch of
+    the fast path), else batch_size."""
     first = batch
-    while isinstance(first, (tuple, list)) and first and not hasattr(first, "_fields"):
+    while (type(first) is tuple or type(first) is list) and first:  # (not a namedtuple)
         first = first[0]
-    if isinstance(first, torch.Tensor) and first.dim() > 0:
-        return int(first.shape[0])
+    if type(first) is torch.Tensor and first.ndim:
+        return first.shape[0]
     try:
         return batch_size(batch)
     except (TypeError, ValueError):
         return 0
-
 
 
 class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as guard`
