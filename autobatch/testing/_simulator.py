@@ -99,7 +99,7 @@ class SimulatedGPU:
         self,
         capacity: int | float | str,
         *,
-        allocator: Literal["exact", "caching"] = "exact",
+        allocator: Literal["exact", "caching"] = "caching",
         expandable_segments: bool | None = None,
         max_split_size_mb: int | None = None,
         block_bytes: int = CUDA_BLOCK_BYTES,
