@@ -101,7 +101,7 @@ def search_batch_sizes(
     >>> model = transformer(d_model=16, layers=1)
     >>> def tokens(length):
     ...     return torch.randint(0, 1000, (2, length)), torch.randint(0, 10, (2,))
-    >>> with SimulatedGPU("1MiB", adopt=[model]):
+    >>> with SimulatedGPU("8MiB", adopt=[model]):
     ...     table = search_batch_sizes(model, tokens, [8, 16, 32], torch.optim.SGD, headroom=0)
     >>> table.max_batch_size(8) > table.batch_size(20) == table.max_batch_size(32)
     True
@@ -158,7 +158,7 @@ def search_batch_sizes(
                 begin = given["start"] if first else _known_to_fit(results)
                 line = given["prior"] if first else None
             else:
-                begin, line, policy = seeded[0], seeded[1], Predicted()
+                begin, line, policy = seeded[0], seeded[1], Predicted(caching=memory.caches)
             sample = _sample_at(sample_for, length)
             result = _measured_search(
                 model, sample, optimizer, target, memory, spec, start=begin, prior=line,
@@ -244,6 +244,17 @@ def _seed(
     if line is None:
         return None
     capacity = next(iter(results.values())).capacity_bytes
+    # Under a caching allocator the allocated peak meets the capacity less its segments' gaps:
+    # the ceiling is the allocated peak the length measured last reached at its largest fit.
+    last = results[min(results)]
+    reached = max(
+        (t.peak_bytes for t in last.trials
+         if t.fits and t.size == last.max_batch_size and t.peak_bytes is not None
+         and t.reserved_bytes is not None),
+        default=None,
+    )
+    if reached is not None:
+        capacity = min(capacity, reached)
     # a quarter of a sample over where the line meets the capacity: a prediction that lands
     # on the largest fit or one above it is proven in two trials, a low one in three, a
     # higher one in more

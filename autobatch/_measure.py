@@ -402,10 +402,9 @@ def _replayed_curve(
         return None
     order = [(serial, nbytes < 0) for _, serial, nbytes in events1]
 
-    def replay(n: int) -> int | None:
+    def replay(n: int) -> tuple[int, int] | None:
         size = _sizes(lines, n)
-        found = model.replay((serial, -1 if died else size(serial)) for serial, died in order)
-        return None if found is None else found[0]
+        return model.replay((serial, -1 if died else size(serial)) for serial, died in order)
 
     packed = _running_peak(lines, order, base, 512)  # (no block is smaller than its request)
     try:  # (a line that goes below 0 bytes further out is no line: ValueError)

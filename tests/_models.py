@@ -77,14 +77,15 @@ def fits_two_steps(
     model: nn.Module, opt_cls: Any, make: Callable[[], tuple[torch.Tensor, torch.Tensor]], n: int,
     capacity: int, sample_rows: int,
 ) -> bool:
-    """Do two real training steps (steady state) at batch ``n`` fit on a fresh simulator?
-    ``make()`` gives the sample (``sample_rows`` rows), called on the simulator; its rows are
-    cycled to ``n``. The model's state is put back afterwards."""
+    """Do two real training steps (steady state) at batch ``n`` fit on a fresh simulator
+    with the exact allocator (the truth of byte-exact tests; under the caching allocator it is
+    :func:`fresh_loop_fits`)? ``make()`` gives the sample (``sample_rows`` rows), called on the
+    simulator; its rows are cycled to ``n``. The model's state is put back afterwards."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = opt_cls(model.parameters())
     rows = torch.arange(n) % sample_rows  # made off the simulator: not part of the step
     try:
-        with SimulatedGPU(capacity) as gpu:
+        with SimulatedGPU(capacity, allocator="exact") as gpu:
             gpu.adopt(model)
             x, y = make()
             xb, yb = x[rows], y[rows]
@@ -100,13 +101,14 @@ def fits_two_steps(
         model.load_state_dict(state)
 
 
-def fresh_loop_fits(
+def fresh_loop_peaks(
     template: nn.Module, sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n: int,
     capacity: int | str, *, steps: int = 5, **simulator: Any,
-) -> bool:
-    """Does a user's own plain loop train ``steps`` steps at batch ``n``: a fresh copy of
-    ``template`` on a fresh simulator, a fresh AdamW, and each step a new batch copied to the
-    device (``x, y = x.to(device), y.to(device)``), ``loss = ...`` held until the next one?"""
+) -> tuple[int, int] | None:
+    """A user's own plain loop, ``steps`` steps at batch ``n``: a fresh copy of ``template`` on
+    a fresh simulator, a fresh AdamW, and each step a new batch copied to the device (``x, y =
+    x.to(device), y.to(device)``), ``loss = ...`` held until the next one. Its allocated and
+    reserved peaks, or ``None`` when it ran out of memory."""
     model = copy.deepcopy(template)
     host = [sample(n) for _ in range(2)]  # the loader's batches, in host memory
     try:
@@ -119,6 +121,14 @@ def fresh_loop_fits(
                 loss = nn.functional.cross_entropy(model(x), y)
                 loss.backward()
                 opt.step()
-        return True
     except torch.OutOfMemoryError:
-        return False
+        return None
+    return gpu.peak_bytes, gpu.peak_reserved_bytes
+
+
+def fresh_loop_fits(
+    template: nn.Module, sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n: int,
+    capacity: int | str, *, steps: int = 5, **simulator: Any,
+) -> bool:
+    """Does a user's own plain loop (:func:`fresh_loop_peaks`) train ``steps`` steps at ``n``?"""
+    return fresh_loop_peaks(template, sample, n, capacity, steps=steps, **simulator) is not None

@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from _models import fresh_loop_fits
+from _models import fresh_loop_fits, fresh_loop_peaks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from autobatch import BatchSizeError, search_batch_size
+from autobatch import BatchSizeError, search_batch_size, search_batch_sizes
 from autobatch._trial import CACHING_STEPS
 from autobatch.testing import SimulatedGPU
-from autobatch.testing.models import conv_net, mlp, transformer
+from autobatch.testing.models import conv_net, gru, mlp, tokens, transformer
 
 CE = nn.functional.cross_entropy
 
@@ -68,6 +68,58 @@ def test_the_largest_size_trains_in_a_fresh_loop_and_one_more_does_not(
     assert not fresh_loop_fits(template, sample, n + 1, capacity, steps=CACHING_STEPS, **simulator)
     assert all(t.steps >= CACHING_STEPS for t in result.trials if t.fits)
     assert len(result.trials) == 4, result.trials  # 2, 8, the answer, one more
+
+
+@pytest.mark.parametrize("headroom", [0.1, 0.2])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_recommended_size_keeps_its_reserved_peak_within_the_headroom(
+    name: str, headroom: float
+) -> None:
+    """Finding 10: the headroom is of reserved memory (what the allocator holds). The
+    recommended size's reserved peak stays within it in a fresh loop, and the size is at least
+    0.85 of the largest that does (the replay places the segments: one more trial)."""
+    make, sample, capacity = CASES[name]
+    torch.manual_seed(0)
+    template = make()
+    model = copy.deepcopy(template)
+    with SimulatedGPU(capacity) as gpu:  # (the caching allocator: the default)
+        gpu.adopt(model)
+        result = search_batch_size(model, sample(4), torch.optim.AdamW, loss_fn=CE, headroom=headroom)
+    target = (1 - headroom) * gpu.capacity_bytes
+    n = result.batch_size
+    peaks = fresh_loop_peaks(template, sample, n, capacity, steps=CACHING_STEPS)
+    assert peaks is not None and peaks[1] <= target, (n, peaks, result.trials)
+    low, high = n, result.max_batch_size + 1  # the largest within the target, bisected
+    while high - low > 1:
+        middle = (low + high) // 2
+        found = fresh_loop_peaks(template, sample, middle, capacity, steps=CACHING_STEPS)
+        low, high = (middle, high) if found is not None and found[1] <= target else (low, middle)
+    assert n >= 0.85 * low, (n, low)
+    assert len(result.trials) <= 5, result.trials
+
+
+def test_each_length_of_a_length_table_trains_in_a_fresh_loop_and_one_more_does_not() -> None:
+    """search_batch_sizes under the caching allocator: exact at every measured length against
+    a user's own loop of that length (in more trials than under the exact allocator: the
+    lengths' lines predict allocated bytes, the replay needs two sizes at each length)."""
+    torch.manual_seed(0)
+    template = gru()
+    model = copy.deepcopy(template)
+    lengths = (8, 24, 48)
+    with SimulatedGPU("8MiB") as gpu:
+        gpu.adopt(model)
+        table = search_batch_sizes(
+            model, lambda length: tokens(2, length), lengths, torch.optim.AdamW, loss_fn=CE,
+            headroom=0,
+        )
+    for length in lengths:
+        n = table.max_batch_size(length)
+
+        def rows(k: int, length: int = length) -> tuple[torch.Tensor, torch.Tensor]:
+            return tokens(k, length)
+
+        assert fresh_loop_fits(template, rows, n, "8MiB", steps=CACHING_STEPS), length
+        assert not fresh_loop_fits(template, rows, n + 1, "8MiB", steps=CACHING_STEPS), length
 
 
 def test_23_1_the_optimizer_state_is_made_by_a_real_first_step() -> None:

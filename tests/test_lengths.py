@@ -76,7 +76,7 @@ def searched() -> dict[str, Searched]:
         torch.manual_seed(0)
         model = make()
         before = _everything(model)
-        with SimulatedGPU(capacity) as gpu:
+        with SimulatedGPU(capacity, allocator="exact") as gpu:
             gpu.adopt(model)
             memory_before = gpu.allocated_bytes
             table = search_batch_sizes(
@@ -132,7 +132,7 @@ def test_unmeasured_lengths_get_a_size_that_fits(searched: dict[str, Searched], 
     state = {k: v.clone() for k, v in case.model.state_dict().items()}
     opt = torch.optim.Adam(case.model.parameters())
     try:
-        with SimulatedGPU(case.capacity) as gpu:
+        with SimulatedGPU(case.capacity, allocator="exact") as gpu:
             gpu.adopt(case.model)
             for index, length in enumerate(sorted(chosen, reverse=True)):
                 size = case.table.batch_size(length)
@@ -177,7 +177,7 @@ def test_an_optimizer_with_state_and_gradients_is_put_back() -> None:
     CE(model(x), y).backward()  # gradients left behind too
     before = {**_everything(model), "opt": copy.deepcopy(opt.state_dict())}
     kept = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    with SimulatedGPU("1MiB") as gpu:
+    with SimulatedGPU("1MiB", allocator="exact") as gpu:
         gpu.adopt(model, opt)
         memory_before = gpu.allocated_bytes
         table = search_batch_sizes(model, _sample_for, [8, 16], opt, loss_fn=CE, headroom=0)
@@ -222,7 +222,7 @@ def test_a_training_run_over_long_tailed_lengths_never_runs_out_of_memory(
     opt = torch.optim.Adam(case.model.parameters())
     steps = 0
     try:
-        with SimulatedGPU(case.capacity) as gpu:
+        with SimulatedGPU(case.capacity, allocator="exact") as gpu:
             gpu.adopt(case.model)
             for x, y in DataLoader(data, batch_sampler=sampler, collate_fn=pad):
                 _train_step(case.model, opt, x, y)  # an OOM here fails the test

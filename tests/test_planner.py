@@ -26,8 +26,9 @@ CAPACITY = {"mlp": "8MiB", "conv": "32MiB", "transformer": "32MiB"}
 
 
 def _simulated(model: nn.Module, sample: Any, capacity: str, **options: Any) -> Any:
-    """search_batch_size with real CPU steps under a SimulatedGPU of ``capacity``."""
-    with SimulatedGPU(capacity) as gpu:
+    """search_batch_size with real CPU steps under a SimulatedGPU of ``capacity`` with the
+    exact allocator: a plan predicts allocated bytes, not the caching allocator's segments."""
+    with SimulatedGPU(capacity, allocator="exact") as gpu:
         gpu.adopt(model)
         return search_batch_size(model, sample, headroom=0, **options)
 
@@ -447,7 +448,7 @@ def test_find_with_plan_warns_when_the_plan_falls_back_and_stays_exact() -> None
     torch.manual_seed(0)
     model = gpt2()
     sample = _hf_sample("gpt2")
-    with SimulatedGPU("32MiB") as gpu:
+    with SimulatedGPU("32MiB", allocator="exact") as gpu:
         gpu.adopt(model)
         with pytest.warns(UserWarning, match="small real steps on a CPU copy"):
             seeded = search_batch_size(model, sample, torch.optim.AdamW, plan=True, headroom=0)

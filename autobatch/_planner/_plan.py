@@ -86,8 +86,8 @@ def plan_max_batch(
 
     Runs the training step of :func:`~autobatch.find_max_batch` (same ``sample``, ``loss_fn``,
     ``step_fn`` and ``train`` conventions, optimizer state resident) on a ``meta`` copy of the
-    model and optimizer, counting bytes exactly as :class:`~autobatch.testing.SimulatedGPU`
-    does: no real compute, no real memory, and the model is not touched. The step is planned at
+    model and optimizer, counting allocated bytes exactly as
+    :class:`~autobatch.testing.SimulatedGPU` does with ``allocator="exact"``: no real compute, no real memory, and the model is not touched. The step is planned at
     the sizes the search engine asks for, so ``max_batch_size`` is exact for this accounting.
 
     >>> import torch
@@ -104,8 +104,11 @@ def plan_max_batch(
     fused flash kernel, or the math path), as on :class:`~autobatch.testing.SimulatedGPU`; for
     a GPU it is planned with the math path, and the GPU's fused kernels (flash,
     memory-efficient, cuDNN) need less: with attention the plan is an upper bound there.
-    cuDNN/cuBLAS may take workspaces, which belong in ``overhead``. Fragmentation of the caching allocator is not
-    modelled (as in the simulator). A ``step_fn`` or ``loss_fn`` must only use the model it is
+    cuDNN/cuBLAS may take workspaces, which belong in ``overhead``. The caching allocator's
+    segments are not modelled: on a GPU (and on the simulator's default, caching, model) the
+    largest batch can be lower, most on small devices where a 20 MiB segment is a large part
+    of the memory; a search seeded by a plan (``find_max_batch(plan=True)``) measures it, in
+    a few more trials there. A ``step_fn`` or ``loss_fn`` must only use the model it is
     given (and module losses, which are copied); a GradScaler is not planned.
 
     Args:
@@ -126,7 +129,7 @@ def plan_max_batch(
         device_type: The kind of device planned for. Tensors the step keeps on the host (Adam's
             ``step`` counters) count only when it is ``"cpu"``, and optimizers left to choose run
             the implementation torch picks there (``foreach`` on ``"cuda"``); ``"cpu"`` plans what
-            :class:`~autobatch.testing.SimulatedGPU` measures.
+            :class:`~autobatch.testing.SimulatedGPU` measures with ``allocator="exact"``.
 
     Raises:
         BatchSizeError: Even ``min_batch`` does not fit (with the planned bytes and the capacity).

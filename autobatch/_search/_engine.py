@@ -9,8 +9,10 @@ from collections.abc import Callable, Sequence
 from autobatch._search._model import (
     LinearModel,
     Trial,
+    Verdicts,
     binding_points,
     fit_linear,
+    trusted_curve,
 )
 from autobatch._search._policies import (
     ModelGuided,
@@ -279,14 +281,36 @@ class _Settling:
             return None
         return model.largest_within(target)
 
+    def replayed(self) -> int | None:
+        """The largest grid size whose reserved peak is within the target in the caching
+        allocator's replay (a trusted :class:`Verdicts` curve: segments and pools, which the
+        lines of allocated peaks do not see); ``None`` without one."""
+        curve = trusted_curve(self.trials, self.target)
+        if not isinstance(curve, Verdicts):
+            return None
+
+        def within(n: int) -> bool:
+            try:
+                reserved = curve.reserved_at(n)
+            except (ArithmeticError, ValueError):
+                return False
+            return reserved is not None and reserved <= self.target
+
+        low, high = self.smallest - self.step, self.top + self.step  # within, above
+        while high - low > self.step:  # (reserved memory grows with the size)
+            middle = max((low + high) // 2 // self.step * self.step, low + self.step)
+            low, high = (middle, high) if within(middle) else (low, middle)
+        return low if low >= self.smallest else None
+
     def run(self, probe: Callable[[int], Trial] | None, max_probes: int) -> int:
         misses = 0
+        replayed = self.replayed()
         for _ in range(max_probes + 1):
             within, above = self.bounds()
             lower = self.smallest - self.step if within is None else within
             if above - lower <= self.step:
                 break
-            predicted = self.predict()
+            predicted = replayed if replayed is not None and misses == 0 else self.predict()
             # the lines misled twice (or there are none): bisect
             guess = (lower + above) // 2 if predicted is None or misses >= 2 else predicted
             size = min(max(guess // self.step * self.step, lower + self.step), above - self.step)

@@ -215,24 +215,37 @@ class Verdicts:
     the peak at a size that fits, :data:`OUT_OF_MEMORY` at one that does not. Each size is
     worked out once. Fitting need not be monotone there (a size fails where its tensors just
     pass a pool's threshold, and a larger one fits): the largest that fits is looked for below
-    its ``ceiling``, above which nothing can.
+    its ``ceiling``, above which nothing can. ``peaks(n)`` gives the allocated and reserved
+    peaks at ``n``, or ``None`` where ``n`` does not fit.
 
-    >>> curve = Verdicts(lambda n: 100 * n if n <= 7 else None)
-    >>> curve(7), curve(8) == OUT_OF_MEMORY, curve.peak_at(8)
-    (700, True, None)
+    >>> curve = Verdicts(lambda n: (100 * n, 128 * n) if n <= 7 else None)
+    >>> curve(7), curve(8) == OUT_OF_MEMORY, curve.peak_at(8), curve.reserved_at(7)
+    (700, True, None, 896)
     """
 
-    def __init__(self, peak: Callable[[int], int | None], ceiling: int | None = None) -> None:
-        self._peak = peak
-        self._known: dict[int, int | None] = {}
+    def __init__(
+        self, peaks: Callable[[int], tuple[int, int] | None], ceiling: int | None = None
+    ) -> None:
+        self._peaks = peaks
+        self._known: dict[int, tuple[int, int] | None] = {}
         #: No size above this fits (``None``: unknown).
         self.ceiling = ceiling
 
-    def peak_at(self, n: int) -> int | None:
-        """The peak at ``n``, or ``None`` when ``n`` does not fit."""
+    def _at(self, n: int) -> tuple[int, int] | None:
         if n not in self._known:
-            self._known[n] = self._peak(n)
+            self._known[n] = self._peaks(n)
         return self._known[n]
+
+    def peak_at(self, n: int) -> int | None:
+        """The allocated peak at ``n``, or ``None`` when ``n`` does not fit."""
+        found = self._at(n)
+        return None if found is None else found[0]
+
+    def reserved_at(self, n: int) -> int | None:
+        """The reserved peak at ``n`` (the allocator's segments), or ``None`` when ``n`` does
+        not fit."""
+        found = self._at(n)
+        return None if found is None else found[1]
 
     def __call__(self, n: int) -> int:
         peak = self.peak_at(n)

@@ -457,6 +457,11 @@ class Predicted:
     guess, so a prediction that was low by a few sizes costs one more trial. From then on (or
     without a ``start``), ``fallback`` chooses.
 
+    Under a caching allocator (``caching=True``) no line of allocated bytes meets the capacity
+    where the segments run out: a prediction that fit is proven by the size above it, and one
+    that failed goes to ``fallback`` at once (whose replay of the allocator needs two sizes
+    that fit, not a walk down from the prediction).
+
     >>> from autobatch._search import search
     >>> search(lambda n: Trial(n, fits=n <= 41), start=42, policy=Predicted()).sizes
     (42, 41)
@@ -473,11 +478,17 @@ class Predicted:
     """
 
     fallback: ModelGuided = ModelGuided()
+    caching: bool = False
 
     def next_size(self, state: SearchState) -> int:
         if state.start is None or not state.trials:
             return self.fallback.next_size(state)
         step = state.multiple_of
+        if self.caching:
+            first = state.trials[0]
+            if len(state.trials) == 1 and first.fits:
+                return first.size + step
+            return self.fallback.next_size(state)
         if state.largest_fit is None:  # every trial failed: the prediction was high
             misses = len(state.trials)
             if misses > 3:  # by far: halve the bracket, geometrically
