@@ -1,9 +1,11 @@
 """Train through out-of-memory errors: a step decorated with retry_on_oom inside oom_guard.
 
 The "GPU" is simulated on the CPU with a capacity that the batches of 512 do not fit in, and in the
-second epoch another (simulated) process takes a fifth of it for two batches. The step splits each
-batch into micro-batches that accumulate into one optimizer step, so the training math is that of
-whole batches. The first OOM costs one retry; after that the memory model sizes the pieces from
+second epoch another (simulated) process takes a fifth of it for two batches. The simulator counts
+allocated bytes exactly (``allocator="exact"``): its default model of CUDA's caching allocator
+reserves whole 2 MiB and 20 MiB segments, and keeps the limit it was made with. The step splits
+each batch into micro-batches that accumulate into one optimizer step, so the training math is that
+of whole batches. The first OOM costs one retry; after that the memory model sizes the pieces from
 the free memory, so the pressure in epoch 1 only makes the pieces smaller, without an OOM.
 
     python examples/train_with_guard.py
@@ -45,7 +47,7 @@ def eval_step(batch: list[torch.Tensor]) -> torch.Tensor:
 
 
 def main() -> None:
-    with SimulatedGPU("1MiB", adopt=[model, opt]) as gpu:
+    with SimulatedGPU("1MiB", allocator="exact", adopt=[model, opt]) as gpu:
         full = gpu.capacity_bytes
         for epoch in range(2):
             with oom_guard(loader) as guard:

@@ -552,7 +552,7 @@ def test_a_stride_change_is_measured_again_not_served_from_the_cache(tmp_path: P
     found = []
     for stride in (4, 1):
         model = _conv(stride=stride)
-        with SimulatedGPU("4MiB") as gpu:
+        with SimulatedGPU("64MiB") as gpu:  # room for 20 MiB large-pool segments
             gpu.adopt(model)
             result = search_batch_size(model, sample, torch.optim.SGD, cache=tmp_path)
         assert not any("from the cache" in note for note in result.notes)

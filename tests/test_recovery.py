@@ -14,7 +14,7 @@ import runpy
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -228,7 +228,12 @@ def test_batch_size_error_reports_bytes_on_a_simulated_gpu() -> None:
         return model(x).sum()
 
     x = torch.randn(64, 64)
-    with SimulatedGPU(17_000, adopt=[model]), pytest.raises(BatchSizeError) as caught:
+    # byte-exact: room for the weights and not one row more (the caching model's smallest
+    # segment is 2 MiB)
+    with (
+        SimulatedGPU(17_000, allocator="exact", adopt=[model]),
+        pytest.raises(BatchSizeError) as caught,
+    ):
         step(x)
     assert caught.value.capacity_bytes == 17_000
     assert "simulated GPU" in str(caught.value)
@@ -409,21 +414,35 @@ class Run:
         return out
 
 
-def _peak(factory: Callable[[], nn.Module], optimizer: str, batch: Any) -> int:
+Allocator = Literal["exact", "caching"]
+
+#: Rows per batch, under both allocator models. The MLP's whole batch must outgrow the caching
+#: model's 2 MiB small-pool segment for its peak to exceed a quarter batch's (at 96 rows both
+#: reserve that one segment, and no capacity between them splits the batch).
+ROWS = {"mlp": 4096, "transformer": 96}
+
+
+def _peak(
+    factory: Callable[[], nn.Module], optimizer: str, batch: Any, allocator: Allocator
+) -> int:
+    """The memory a steady step takes from the device at its highest: its segments under the
+    caching model, its allocated bytes under the exact one (which reserves what it allocates)."""
     run = Run(factory, optimizer)
-    with SimulatedGPU("1GiB", adopt=[run.model, run.opt]) as gpu:
+    with SimulatedGPU("1GiB", allocator=allocator, adopt=[run.model, run.opt]) as gpu:
         run.step(batch)
         run.step(batch)  # steady state: the optimizer state exists
         gpu.reset_peak()
         run.step(batch)
-    return gpu.peak_bytes
+    return gpu.peak_reserved_bytes
 
 
-def _capacity(factory: Callable[[], nn.Module], optimizer: str, batch: Any) -> int:
+def _capacity(
+    factory: Callable[[], nn.Module], optimizer: str, batch: Any, allocator: Allocator
+) -> int:
     """Between the peaks of a quarter batch and the whole batch: the whole batch does not fit."""
     n = len(batch[0])
-    small = _peak(factory, optimizer, (batch[0][: n // 4], batch[1][: n // 4]))
-    full = _peak(factory, optimizer, batch)
+    small = _peak(factory, optimizer, (batch[0][: n // 4], batch[1][: n // 4]), allocator)
+    full = _peak(factory, optimizer, batch, allocator)
     assert full > small * 1.2
     return (small + full) // 2
 
@@ -444,39 +463,46 @@ def _assert_same(a: Run, b: Run) -> None:
 
 
 @pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 @pytest.mark.parametrize("workload", ["mlp", "transformer"])
-def test_accumulate_matches_an_uninterrupted_run(workload: str, optimizer: str) -> None:
+def test_accumulate_matches_an_uninterrupted_run(
+    workload: str, optimizer: str, allocator: Allocator
+) -> None:
     factory = _mlp if workload == "mlp" else _transformer
-    batches = _batches(workload)
-    capacity = _capacity(factory, optimizer, batches[0])
+    batches = _batches(workload, size=ROWS[workload])
+    capacity = _capacity(factory, optimizer, batches[0], allocator)
 
     reference = Run(factory, optimizer)
     ref_losses = [float(reference.step(b).detach()) for b in batches]
 
     run = Run(factory, optimizer)
     step = retry_on_oom(optimizer=run.opt)(run.step)
-    with SimulatedGPU(capacity, adopt=[run.model, run.opt]), oom_guard(batches) as guard:
+    with (
+        SimulatedGPU(capacity, allocator=allocator, adopt=[run.model, run.opt]),
+        oom_guard(batches) as guard,
+    ):
         losses = [step(b).item() for b in guard]
 
     assert guard.stats.ooms >= 1
     assert guard.stats.micro_batch_size is not None
     assert guard.stats.batches == len(batches)
-    assert guard.stats.samples == 3 * 96
+    assert guard.stats.samples == 3 * ROWS[workload]
     _assert_same(reference, run)
     assert losses == pytest.approx(ref_losses, rel=1e-12)  # the full-batch loss
 
 
 @pytest.mark.usefixtures("float64")
-def test_accumulate_with_grad_scaler_and_clipping_matches() -> None:
-    batches = _batches("mlp")
-    capacity = _capacity(_mlp, "adamw", batches[0])
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
+def test_accumulate_with_grad_scaler_and_clipping_matches(allocator: Allocator) -> None:
+    batches = _batches("mlp", size=ROWS["mlp"])
+    capacity = _capacity(_mlp, "adamw", batches[0], allocator)
     reference = Run(_mlp, "adamw", scaler=True, clip=0.5)
     for b in batches:
         reference.step(b)
     run = Run(_mlp, "adamw", scaler=True, clip=0.5)
     step = retry_on_oom(optimizer=run.opt, scaler=run.scaler)(run.step)
-    with SimulatedGPU(capacity, adopt=[run.model, run.opt]):
+    with SimulatedGPU(capacity, allocator=allocator, adopt=[run.model, run.opt]):
         for b in batches:
             step(b)
     assert step.stats.ooms >= 1
@@ -676,14 +702,17 @@ def test_batchnorm_warning_once_pointing_at_the_caller() -> None:
 
 @pytest.mark.usefixtures("float64")
 def test_one_retry_where_halving_needs_two() -> None:
-    """With statistics, the first OOM runs a measuring piece and sizes the rest from it."""
+    """With statistics, the first OOM runs a measuring piece and sizes the rest from it.
+
+    Byte-exact: the sizes follow from a capacity a third of the way between two allocated
+    peaks (under the caching model, both sit in one 2 MiB segment)."""
     batch = _batches("mlp", count=1, size=384)[0]  # activations outweigh the weights
     run = Run(_mlp, "sgd")
-    quarter = _peak(_mlp, "sgd", (batch[0][:96], batch[1][:96]))
-    half = _peak(_mlp, "sgd", (batch[0][:192], batch[1][:192]))
+    quarter = _peak(_mlp, "sgd", (batch[0][:96], batch[1][:96]), "exact")
+    half = _peak(_mlp, "sgd", (batch[0][:192], batch[1][:192]), "exact")
     capacity = quarter + (half - quarter) // 3  # a half batch does not fit, a quarter does
     step = retry_on_oom(optimizer=run.opt)(run.step)
-    with SimulatedGPU(capacity, adopt=[run.model, run.opt]):
+    with SimulatedGPU(capacity, allocator="exact", adopt=[run.model, run.opt]):
         step(batch)
         step(batch)
     history = step.stats.history
@@ -696,11 +725,13 @@ def test_one_retry_where_halving_needs_two() -> None:
 
 @pytest.mark.usefixtures("float64")
 def test_memory_taken_later_shrinks_pieces_without_an_oom() -> None:
+    # The exact model: its limit is the capacity, which the test lowers mid-run (the caching
+    # model's allocator keeps the limit it was made with)
     batch = _batches("mlp", count=1, size=96)[0]
-    capacity = _capacity(_mlp, "sgd", batch)
+    capacity = _capacity(_mlp, "sgd", batch, "exact")
     run = Run(_mlp, "sgd")
     step = retry_on_oom(optimizer=run.opt)(run.step)
-    with SimulatedGPU(capacity, adopt=[run.model, run.opt]) as gpu:
+    with SimulatedGPU(capacity, allocator="exact", adopt=[run.model, run.opt]) as gpu:
         for _ in range(3):
             step(batch)  # learns the size with one OOM, then fits a line to the pieces
         before = step.stats.micro_batch_size
@@ -728,7 +759,7 @@ def test_tensors_of_a_failed_attempt_in_a_reference_cycle_are_freed() -> None:
 
     gc.disable()
     try:
-        with SimulatedGPU("1MiB") as gpu:
+        with SimulatedGPU("4MiB") as gpu:
             step(torch.zeros(64))
             left = gpu.allocated_bytes
     finally:
@@ -742,19 +773,22 @@ def test_tensors_of_a_failed_attempt_in_a_reference_cycle_are_freed() -> None:
 
 
 @pytest.mark.usefixtures("float64")
-def test_longer_sequences_cost_at_most_one_retry_and_shorter_ones_grow_again() -> None:
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
+def test_longer_sequences_cost_at_most_one_retry_and_shorter_ones_grow_again(
+    allocator: Allocator,
+) -> None:
     def tokens(length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randint(0, 50, (64, length)), torch.randint(0, 5, (64,))
 
     run = Run(_transformer, "sgd")
     step = retry_on_oom(optimizer=run.opt)(run.step)
-    short_peak = _peak(_transformer, "sgd", tokens(8))
-    long_peak = _peak(_transformer, "sgd", tokens(32))
+    short_peak = _peak(_transformer, "sgd", tokens(8), allocator)
+    long_peak = _peak(_transformer, "sgd", tokens(32), allocator)
     capacity = (short_peak + long_peak) // 2  # length 8 fits whole, length 32 does not
 
     oom_per_batch = []
     sizes = []
-    with SimulatedGPU(capacity, adopt=[run.model, run.opt]):
+    with SimulatedGPU(capacity, allocator=allocator, adopt=[run.model, run.opt]):
         for length in [8, 8, 32, 32, 8, 48, 32]:
             before = step.stats.ooms
             step(tokens(length))
@@ -1023,7 +1057,10 @@ def test_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_recovery_keeps_the_users_peak_statistic() -> None:
     """Micro-batches reset the device's peak counter to learn their cost; afterwards it reads
-    what the device really reached, the user's own earlier peak included."""
+    what the device really reached, the user's own earlier peak included.
+
+    The exact model: under a caching allocator the peak is left as the last micro-batch's
+    measurement (``PeakKeeping`` would otherwise reserve a segment to reach it again)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1034,7 +1071,7 @@ def test_recovery_keeps_the_users_peak_statistic() -> None:
         nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
         opt.step()
 
-    with SimulatedGPU("4MiB") as gpu:
+    with SimulatedGPU("4MiB", allocator="exact") as gpu:
         gpu.adopt(model, opt)
         with torch.no_grad():
             big = torch.empty(3 * 2**20, dtype=torch.uint8)  # the user's own high point

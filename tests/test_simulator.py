@@ -65,7 +65,7 @@ def test_peak_agrees_with_profiler(name: str) -> None:
     model, (x, y) = work.model(), work.sample(32)
     opt = torch.optim.Adam(model.parameters())
     _train_step(model, opt, x, y)  # Adam's state exists: steady state
-    with SimulatedGPU("4GiB", block_bytes=1) as gpu:
+    with SimulatedGPU("4GiB", allocator="exact", block_bytes=1) as gpu:  # raw bytes
         gpu.adopt(model, opt, x, y)
         baseline = gpu.allocated_bytes
         gpu.reset_peak()
@@ -89,8 +89,9 @@ def test_live_bytes_after_step_are_parameters_plus_optimizer_state(name: str) ->
         assert gpu.allocated_bytes > _state_bytes(model, x, y)
 
 
-def test_allocations_are_rounded_like_the_cuda_allocator() -> None:
-    with SimulatedGPU("1MiB") as gpu:
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
+def test_allocations_are_rounded_like_the_cuda_allocator(allocator: str) -> None:
+    with SimulatedGPU("4MiB", allocator=allocator) as gpu:  # type: ignore[arg-type]
         a = torch.empty(1, dtype=torch.uint8)
         assert gpu.allocated_bytes == 512
         b = torch.empty(513, dtype=torch.uint8)
@@ -104,8 +105,9 @@ def test_allocations_are_rounded_like_the_cuda_allocator() -> None:
         assert gpu.peak_bytes == 1536
 
 
-def test_in_place_resize_is_counted() -> None:
-    with SimulatedGPU("1MiB") as gpu:
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
+def test_in_place_resize_is_counted(allocator: str) -> None:
+    with SimulatedGPU("4MiB", allocator=allocator) as gpu:  # type: ignore[arg-type]
         t = torch.empty(0)
         torch.mm(torch.ones(64, 64), torch.ones(64, 64), out=t)
         assert gpu.allocated_bytes == 64 * 64 * 4
@@ -140,7 +142,7 @@ def test_a_storage_resized_in_place_counts_at_its_new_size(allocator: str) -> No
 
 
 def test_oom_has_cuda_message_and_frees_rejected_outputs() -> None:
-    with SimulatedGPU("1MiB") as gpu:
+    with SimulatedGPU("1MiB", allocator="exact") as gpu:  # the caching model asks for segments
         keep = torch.ones(1024, 128)  # 512 KiB
         with pytest.raises(torch.OutOfMemoryError) as info:
             torch.ones(1024, 256)  # 1 MiB more
@@ -172,7 +174,9 @@ def test_recovery_after_leaving_except_returns_exactly_to_baseline(name: str) ->
     model, (x, y) = work.model(), work.sample({"mlp": 2048}.get(name, 64))
     opt = torch.optim.Adam(model.parameters())
     _train_step(model, opt, x[:2], y[:2])
-    with SimulatedGPU("1GiB") as gpu:
+    # The exact model: a capacity between two allocated peaks fails the large step part-way
+    # (the caching model may refuse its first 20 MiB segment, with nothing of the attempt alive).
+    with SimulatedGPU("1GiB", allocator="exact") as gpu:
         gpu.adopt(model, opt, x, y)
         baseline = gpu.allocated_bytes
         gpu.reset_peak()
@@ -182,7 +186,7 @@ def test_recovery_after_leaving_except_returns_exactly_to_baseline(name: str) ->
         _train_step(model, opt, x, y)
         large = gpu.peak_bytes
     assert small < large
-    with SimulatedGPU((small + large) // 2) as gpu:
+    with SimulatedGPU((small + large) // 2, allocator="exact") as gpu:
         gpu.adopt(model, opt, x, y)
         inside_except = _oom_in_step(model, opt, x, y)
         # Inside the except block the traceback still held the failed attempt's activations...
@@ -383,9 +387,10 @@ def test_inject_rejects_bad_arguments() -> None:
         inject_oom(at_op=0)
 
 
-def test_simulator_state_does_not_leak_between_runs() -> None:
+@pytest.mark.parametrize("allocator", ["exact", "caching"])
+def test_simulator_state_does_not_leak_between_runs(allocator: str) -> None:
     for _ in range(2):
-        with SimulatedGPU("1MiB") as gpu:
+        with SimulatedGPU("4MiB", allocator=allocator) as gpu:  # type: ignore[arg-type]
             t = torch.ones(100)
             assert gpu.allocated_bytes == 512
             del t

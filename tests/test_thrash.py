@@ -58,7 +58,7 @@ def test_no_thrashing_no_change_and_no_watch_without_a_caching_allocator() -> No
     with SimulatedGPU("48MiB", allocator="caching"):
         for _ in range(6):
             step(torch.zeros(10, 1))  # both pools fit side by side: no retry
-    with SimulatedGPU("48MiB"):  # the exact model keeps no cache
+    with SimulatedGPU("48MiB", allocator="exact"):  # the exact model keeps no cache
         for _ in range(6):
             step(torch.zeros(20, 1))
     assert step.stats.changes == 0

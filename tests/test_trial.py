@@ -223,7 +223,7 @@ def test_a_later_step_that_runs_out_fails_the_trial() -> None:
     with SimulatedGPU("64MiB", allocator="caching") as gpu:
         failed = _growing_runner()(25)  # 25, then 50 (25 released), then 75: no room
         assert gpu.num_alloc_retries >= 2
-    with SimulatedGPU("64MiB"):  # the exact model: one step, as asked
+    with SimulatedGPU("64MiB", allocator="exact"):  # the exact model: one step, as asked
         exact = _growing_runner()(25)
     assert not failed.fits
     assert failed.error is not None

@@ -280,20 +280,6 @@ class _Engine:
         """The batch's tensors (for a step known to write its batch in place)."""
         return list(tensors(self._locate(args, kwargs)))
 
-    def _attempted(
-        self, attempt: _Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Any, _Failure | None]:
-        """Run the step once, in ``attempt``: ``(result, None)``, or ``(None, failure)`` when it
-        ran out of memory (any other error propagates)."""
-        try:
-            with attempt:
-                return self.fn(*args, **kwargs), None
-        except BaseException as exc:
-            failure = self._capture(exc)
-            if failure is None:
-                raise
-            return None, failure
-
     def _watched(self) -> DeviceLike:
         """The device whose allocator the watch reads: the option, else the parameters'."""
         if self.options.device is not None:
@@ -344,10 +330,16 @@ class _Engine:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, reason: str,
         failure: _Failure | None,
     ) -> Any:
-        """A batch that cannot be split (nothing to split by, or no rows): run it whole, once."""
+        """A batch that cannot be split (nothing to split by, or no rows): run it whole, once
+        (``failure``: it ran out of memory on the fast path already)."""
         if failure is None:
-            attempt = _Attempt(self)
-            result, failure = self._attempted(attempt, args, kwargs)
+            try:
+                with _Attempt(self):
+                    result = self.fn(*args, **kwargs)
+            except BaseException as exc:
+                failure = self._capture(exc)
+                if failure is None:
+                    raise
             if failure is None:
                 self._finished(0)
                 return result
