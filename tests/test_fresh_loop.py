@@ -88,7 +88,8 @@ def test_the_recommended_size_keeps_its_reserved_peak_within_the_headroom(
     target = (1 - headroom) * gpu.capacity_bytes
     n = result.batch_size
     peaks = fresh_loop_peaks(template, sample, n, capacity, steps=CACHING_STEPS)
-    assert peaks is not None and peaks[1] <= target, (n, peaks, result.trials)
+    assert peaks is not None, (n, result.trials)
+    assert peaks[1] <= target, (n, peaks, result.trials)
     low, high = n, result.max_batch_size + 1  # the largest within the target, bisected
     while high - low > 1:
         middle = (low + high) // 2

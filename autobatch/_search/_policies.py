@@ -485,9 +485,8 @@ class Predicted:
             return self.fallback.next_size(state)
         step = state.multiple_of
         if self.caching:
-            first = state.trials[0]
-            if len(state.trials) == 1 and first.fits:
-                return first.size + step
+            if len(state.trials) == 1 and state.trials[0].fits:
+                return state.trials[0].size + step
             return self.fallback.next_size(state)
         if state.largest_fit is None:  # every trial failed: the prediction was high
             misses = len(state.trials)
