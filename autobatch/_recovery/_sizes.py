@@ -30,6 +30,8 @@ class _KeyState:
     refine: bool = False  # the limit came from a rough model; raise it once a better one exists
     grow_from: int | None = None  # the last good size while a grow attempt is in flight
     grown_from: int | None = None  # the size before the latest grow, until the next change
+    good: int = 0  # the largest piece that ran since the last OOM
+    misled: bool = False  # a size the model said fits ran out of memory (segments, say)
 
 
 class _TooSmall(Exception):
@@ -176,13 +178,17 @@ class _Sizes:
             return old, new, "grow failed"
         found = self.model_size(key, eps, room)
         refine = False
+        misled = False
         if found is not None and found[0] < failed:
             new, fitted = found
             refine = not fitted
         elif room is not None:
             if found is not None:  # the model said it fits: its points for this key are stale
                 self.points = {p: c for p, c in self.points.items() if p[0] != key}
+                misled = True
             new, refine = failed // PROBE_DIVISOR, True
+            if misled and state is not None and 0 < state.good < failed:
+                new = state.good  # (known to run; the next refinement bisects above it)
         else:
             new = failed // 2
         new = max(min(new, failed - 1), self.min_batch)
@@ -193,6 +199,7 @@ class _Sizes:
         state.limit = new
         state.ceiling = failed if state.ceiling is None else min(state.ceiling, failed)
         state.refine = refine
+        state.misled = state.misled or misled
         state.grow_from = state.grown_from = None
         state.clean = 0
         return old, new, "oom"
@@ -204,6 +211,7 @@ class _Sizes:
         state = self.states.get(key)
         if state is None:
             return None
+        state.good = max(state.good, n)
         if state.grow_from is not None and n > state.grow_from:
             state.grow_from = None  # the grow worked
             if state.ceiling is not None and n >= state.ceiling:
@@ -216,6 +224,11 @@ class _Sizes:
         size, fitted = found
         state.refine = not fitted
         cap = math.inf if state.ceiling is None else state.ceiling - 1
+        if state.misled and state.ceiling is not None:
+            # Bytes did not tell where memory runs out (the allocator's segments): halve the
+            # gap between the largest piece that ran and the smallest that failed instead.
+            cap = (state.good + state.ceiling) // 2
+            state.refine = state.ceiling - state.good > 1
         new = int(min(max(size, state.limit), cap))
         if new <= state.limit:
             return None
