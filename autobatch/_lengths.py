@@ -15,9 +15,11 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Any, Concatenate, ParamSpec
 
+import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch import _distributed
+from autobatch import _batch, _distributed
 from autobatch._backends import memory_for, restore_rng_states, save_rng_states
 from autobatch._cache import cached_table, open_cache, search_key, table_key
 from autobatch._errors import AutobatchError
@@ -26,7 +28,7 @@ from autobatch._log import get_logger
 from autobatch._progress import watching
 from autobatch._result import LengthTable, SearchResult
 from autobatch._search import LinearModel, Predicted, SearchPolicy, predict_line
-from autobatch._validate import check_module
+from autobatch._validate import check_module, is_sample_factory
 from autobatch._workload import OptimizerLike, Sample, SearchSpec, model_device
 
 logger = get_logger("lengths")
@@ -224,13 +226,21 @@ def _check_lengths(lengths: Iterable[int]) -> tuple[int, ...]:
 
 
 def _sample_at(sample_for: Callable[[int], Sample], length: int) -> Sample:
-    """``sample_for(length)``, with the random number generators saved and put back."""
+    """``sample_for(length)`` in host memory, with the random number generators saved and put
+    back. Its rows are copied to the host (out of any simulated device): a loader's batches
+    come from there, and a sample held on the device while the trials run is memory the
+    user's own loop does not hold (it made each length one row low where the peak meets the
+    capacity to the byte)."""
     torch_rng, python_rng = save_rng_states(), random.getstate()
     try:
-        return sample_for(length)
+        sample = sample_for(length)
     finally:
         restore_rng_states(torch_rng)
         random.setstate(python_rng)
+    if is_sample_factory(sample):
+        return sample
+    with _disable_current_modes():
+        return _batch.move_batch(sample, torch.device("cpu"), copy=True)
 
 
 def _seed(

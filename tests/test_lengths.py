@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import autobatch
-from autobatch import AutobatchError, LengthTable, search_batch_sizes
+from autobatch import AutobatchError, LengthTable, search_batch_size, search_batch_sizes
 from autobatch._search import LinearModel, Predicted, Trial, predict_line, recommend, search
 from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
@@ -452,3 +452,34 @@ def test_ranks_agree_on_every_length(tmp_path: Path) -> None:
     assert results[0]["sizes"] == [fuller.max_batch_size(n) for n in (8, 16, 32)]
     for rank in results:
         assert rank["params"] == [p.detach().double().sum().item() for p in alone.parameters()]
+
+
+def test_23_12_at_zero_slack_each_length_is_the_single_searchs_size() -> None:
+    """A GRU whose peak at B* = 392 meets the capacity to the byte: the table's size at that
+    length is 392, as a single search's with the same sample function. The sample made for a
+    length lies in host memory while its trials run (on the device it was one row low)."""
+    torch.manual_seed(0)
+    template = gru()
+    length = 16
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokens(n, length)
+
+    model = copy.deepcopy(template)
+    with SimulatedGPU(2**40, allocator="exact", adopt=[model]):
+        peak = search_batch_size(model, batch, torch.optim.Adam, loss_fn=CE, start=392,
+                                 max_batch=392).trials[0].peak_bytes
+    assert peak is not None
+    found = {}
+    for how in ("single", "table"):
+        model = copy.deepcopy(template)
+        with SimulatedGPU(peak, allocator="exact", adopt=[model]):
+            if how == "single":
+                found[how] = search_batch_size(model, batch, torch.optim.Adam, loss_fn=CE,
+                                               headroom=0).max_batch_size
+            else:
+                found[how] = search_batch_sizes(
+                    model, lambda n: tokens(2, n), [length, 2 * length], torch.optim.Adam,
+                    loss_fn=CE, headroom=0,
+                ).max_batch_size(length)
+    assert found == {"single": 392, "table": 392}
