@@ -45,8 +45,7 @@ class SimulatedGPU:
     message is raised, so any code that handles CUDA OOMs handles it. While active,
     autobatch's memory backend for the CPU reports the simulator's numbers.
 
-    Two models of the device's allocator. ``"exact"`` (the default) counts allocated bytes:
-    memory runs out when live storages would exceed the capacity. ``"caching"`` models
+    Two models of the device's allocator. ``"caching"`` (the default: CUDA's behaviour) models
     PyTorch's CUDA caching allocator (:mod:`autobatch.testing._allocator`): every storage is a
     block in a 2 MiB small-pool or a large-pool segment, freed blocks stay cached in their
     segments, and memory runs out when a new segment does not fit next to those already
@@ -54,11 +53,12 @@ class SimulatedGPU:
     with ``torch.cuda.set_per_process_memory_fraction``. Allocated bytes are the blocks'
     sizes there, as ``torch.cuda.memory_allocated`` reports them: the same as the exact
     model's, except that a large block whose remainder is too small to split (1 MiB or less)
-    counts whole.
+    counts whole. ``"exact"`` counts allocated bytes: memory runs out when live storages would
+    exceed the capacity (for byte-exact tests; no GPU has that allocator).
 
     >>> import torch
     >>> model = torch.nn.Linear(1024, 1024)
-    >>> with SimulatedGPU("64MiB", allocator="caching") as gpu:
+    >>> with SimulatedGPU("64MiB") as gpu:
     ...     _ = gpu.adopt(model)  # count what existed before entering
     ...     loss = model(torch.randn(32, 1024)).sum()
     ...     loss.backward()
@@ -68,8 +68,8 @@ class SimulatedGPU:
     Args:
         capacity: Total memory, as bytes or a string with a unit (``"512MiB"``, ``"16GiB"``,
             ``"80GB"``).
-        allocator: ``"exact"`` (allocated bytes) or ``"caching"`` (CUDA's caching allocator:
-            reserved segments, fragmentation, release and retry).
+        allocator: ``"caching"`` (CUDA's caching allocator: reserved segments, fragmentation,
+            release and retry; the default) or ``"exact"`` (allocated bytes).
         expandable_segments: Caching model only: one segment per pool that grows by whole pages (2
             MiB small, 20 MiB large). ``None`` reads ``expandable_segments:True`` from
             ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``), as torch does.
