@@ -1112,6 +1112,29 @@ def test_gradients_only_a_forward_oom_keeps_the_accumulated_gradients_exact() ->
     _same([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
 
 
+@pytest.mark.parametrize(("phase", "at_op"), [("forward", 1), ("backward", 2), ("backward", 6)])
+def test_gradients_only_an_oom_in_a_first_micro_batch_keeps_the_accumulated_gradients(
+    phase: str, at_op: int
+) -> None:
+    """A batch that already runs in micro-batches runs out of memory in its first one, before
+    its backward or after the last layer's gradients joined the sum: the gradients the caller
+    accumulated over earlier calls are kept (they were lost, before and after a restart)."""
+    reference, ref_fn, _ = _grad_only_run(None, 2)
+    model, fn, device = _grad_only_run(4, 2)
+    g = torch.Generator().manual_seed(9)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(2)]
+    ref_fn(batches[0])
+    fn(batches[0])  # runs out whole: micro-batches of 4 from now on
+    ref_fn(batches[1])
+    with inject_oom(phase=phase, at_op=at_op) as fault:
+        fn(batches[1])
+    assert fault.fired == 1
+    assert fn.stats.ooms == 2
+    assert device.sizes[-5:] == [4, 2, 2, 2, 2]  # the first micro-batch failed: four of 2 ran
+    _same([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+
+
 def test_gradients_only_needs_the_model_and_refuses_an_optimizer_step() -> None:
     with pytest.raises(ValueError, match="model="):
         retry_on_oom(policy="accumulate")

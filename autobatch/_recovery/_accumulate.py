@@ -29,6 +29,7 @@ gradient in ``.grad``.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -233,6 +234,9 @@ class _Accumulation:
             _Patch(o, "step", self._deferred_step(o, o.step)) for o in optimizers
         ]
         self.track(params)
+        # the gradients in .grad as the batch began (an earlier call's, which a piece folds
+        # into the sum only when its backward reaches them), held weakly as the ledger does
+        self.began = {id(p): weakref.ref(p.grad) for p in self.params if p.grad is not None}
         _STANDINS.install()
         _SESSIONS.append(self)
 
@@ -502,17 +506,26 @@ class _Accumulation:
 
     # Failures --------------------------------------------------------------------------------
 
+    def _began_with(self, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` is still the gradient the batch began with."""
+        began = self.began.get(id(p))
+        return began is not None and began() is p.grad
+
     def discard(self) -> None:
-        """Forget the failed piece's gradients; the earlier pieces' sums stay."""
+        """Forget the failed piece's gradients; the earlier pieces' sums stay, and so do the
+        gradients the batch began with that an early piece left in ``.grad`` (it failed
+        before it added to them, or it would be :attr:`dirty`)."""
         for p in self.params:
-            if id(p) not in self.in_place:
+            if id(p) not in self.in_place and (self.last or not self._began_with(p)):
                 p.grad = None
 
     def restart(self) -> None:
-        """Forget every piece: gradients to ``None`` (the ledger puts back what was there)."""
+        """Forget every piece: gradients to ``None`` (the ledger puts back what was there),
+        except those the batch began with, which the ledger holds only weakly."""
         self.buffers.clear()
         for p in self.params:
-            p.grad = None
+            if id(p) in self.in_place or not self._began_with(p):
+                p.grad = None
         for forget in self.on_restart:
             forget()
 

@@ -627,6 +627,8 @@ class Ledger:
 
     def undo_batch(self) -> None:
         """Put back everything since the batch began (a restart, a refusal, an error)."""
+        # (taken first: a gradient the batch began with may live on in the backups alone)
+        carried = [(p, None if ref is None else ref()) for p, ref in self.carried]
         self.piece = _Backups()
         self.batch.put_back()
         for saved in self.metric_batch:
@@ -634,8 +636,8 @@ class Ledger:
         for optimizer, groups in zip(self.host.optimizers, self.hyper, strict=False):
             for group, saved in zip(optimizer.param_groups, groups, strict=False):
                 group.update(saved)
-        for p, ref in self.carried:
-            p.grad = None if ref is None else ref()  # (None: the step set it to None itself)
+        for p, grad in carried:
+            p.grad = grad  # (None: the step set it to None itself)
         if self.rng_batch is not None:
             restore_rng_states(self.rng_batch)
 
