@@ -595,6 +595,31 @@ def test_recommend_never_exceeds_the_answer() -> None:
     assert recommend(found, capacity_bytes=10**9, headroom=0.5) == 50
 
 
+def test_recommend_bisects_on_past_its_first_size_within_the_headroom() -> None:
+    """Reserved memory grows in whole 20 MiB segments: the lines through the allocated peaks
+    miss twice, and the bisection that follows goes on once a size is within the target
+    (it returned that first size, 125, where 128 is the largest)."""
+
+    def probe(n: int) -> Trial:
+        allocated = n * 320 * 1024
+        reserved = 2 * MIB + -(-allocated // (20 * MIB)) * 20 * MIB
+        if reserved > 64 * MIB:
+            return Trial(n, fits=False, error="oom")
+        return Trial(n, fits=True, peak_bytes=allocated, reserved_bytes=reserved)
+
+    outcome = search(probe, capacity_bytes=64 * MIB)
+    asked: list[int] = []
+
+    def counting(n: int) -> Trial:
+        asked.append(n)
+        return probe(n)
+
+    size = recommend(outcome, capacity_bytes=64 * MIB, headroom=0.05, probe=counting)
+    assert outcome.largest_fit == 192
+    assert asked == [151, 150, 125, 137, 131, 128]  # two misses, then bisection
+    assert size == 128  # 40 MiB allocated, 42 MiB reserved: 129 needs 62 of the 60.8 allowed
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(

@@ -305,25 +305,27 @@ class _Settling:
     def run(self, probe: Callable[[int], Trial] | None, max_probes: int) -> int:
         misses = 0
         replayed = self.replayed()
-        for _ in range(max_probes + 1):
+        for probes in range(max_probes + 1):  # (each pass that goes on probed once)
             within, above = self.bounds()
             lower = self.smallest - self.step if within is None else within
             if above - lower <= self.step:
                 break
             predicted = replayed if replayed is not None and misses == 0 else self.predict()
             # the lines misled twice (or there are none): bisect
-            guess = (lower + above) // 2 if predicted is None or misses >= 2 else predicted
+            bisecting = predicted is None or misses >= 2
+            guess = (lower + above) // 2 if bisecting else predicted
             size = min(max(guess // self.step * self.step, lower + self.step), above - self.step)
             if probe is None:
                 return size
-            if within is not None and size <= within:
+            if (within is not None and size <= within) or probes == max_probes:
                 break
             trial = probe(size)
             self.trials.append(trial)
             held = trial.peak_bytes if trial.reserved_bytes is None else trial.reserved_bytes
             if not trial.fits or (held or 0) > self.target:
                 misses += 1
-            else:  # within the target (or unmeasured: trusted); the lines aimed at the largest
-                return size
+            elif not bisecting or trial.peak_bytes is None:
+                return size  # within the target (or unmeasured: trusted); the lines aimed at the largest
+            # (a bisection's size within the target raises the lower bound: the search goes on)
         within, _ = self.bounds()
         return self.smallest if within is None else within
