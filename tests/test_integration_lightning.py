@@ -48,8 +48,9 @@ def _frozen_heap() -> Iterator[None]:
     yield
     gc.unfreeze()
 
-ROWS, FEATURES, CLASSES, HIDDEN = 192, 16, 4, 256
-SMALL = "400KiB"  # a batch of 64 rows does not fit; a quarter of it does
+ROWS, FEATURES, CLASSES, HIDDEN = 192, 16, 4, 2048
+SMALL = "4MiB"  # a batch of 64 rows does not fit (in 2 MiB segments); a quarter of it does
+HALF = "2MiB"  # the same under mixed precision, for a net twice as wide
 LARGE = "1GiB"
 
 
@@ -87,6 +88,7 @@ class _Net(pl.LightningModule):
         shuffle: bool = False,
         dtype: torch.dtype = torch.float64,
         metric: bool = False,
+        hidden: int = HIDDEN,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -95,7 +97,7 @@ class _Net(pl.LightningModule):
         elif where == "module":
             self.batch_size = batch_size
         self.net = nn.Sequential(
-            nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Dropout(dropout), nn.Linear(HIDDEN, CLASSES)
+            nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, CLASSES)
         ).to(dtype)
         self.data = _data()
         self.optimizer_name = optimizer
@@ -286,11 +288,13 @@ def test_find_leaves_weights_optimizer_rng_and_counters_as_they_were(tmp_path: A
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_find_runs_the_step_in_the_precision_plugins_context(tmp_path: Any, precision: str) -> None:
-    module = _Net(dtype=torch.float32)
+    module = _Net(dtype=torch.float32, hidden=2 * HIDDEN)
     autocast: list[bool] = []
     module.net[0].register_forward_hook(
         lambda m, a, out: autocast.append(torch.is_autocast_enabled("cpu")))
-    ours, probe = AutobatchCallback(guard=False), _Probe()
+    seen: list[int] = []  # the forwards run when each trial ended (a trial runs several steps)
+    ours = AutobatchCallback(guard=False, on_trial=lambda trial: seen.append(len(autocast)))
+    probe = _Probe()
     options: dict[str, Any] = (
         {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed"
         else {"precision": precision}
@@ -298,11 +302,14 @@ def test_find_runs_the_step_in_the_precision_plugins_context(tmp_path: Any, prec
     trainer, _ = _trainer(tmp_path, [ours, probe], limit_train_batches=1, **options)
     scaler = trainer.precision_plugin.scaler
     scale = None if scaler is None else scaler.get_scale()
-    with SimulatedGPU("130KiB") as gpu:
+    with SimulatedGPU(HALF) as gpu:
         gpu.adopt(module)
         trainer.fit(module)
     assert ours.result is not None
-    assert len(autocast) == len(ours.result.trials) + 1  # every trial, then the batch
+    assert len(seen) == len(ours.result.trials)
+    assert seen == sorted(set(seen))  # every trial ran forwards
+    assert seen[0] > 0
+    assert len(autocast) == seen[-1] + 1  # then the batch
     assert set(autocast) == {True}
     if scaler is not None:  # the trials' GradScaler steps were undone: one step of its own
         assert probe.state["scaler"] == scale
@@ -381,11 +388,11 @@ def test_guard_under_mixed_precision(tmp_path: Any, precision: str) -> None:
             return {"plugins": [MixedPrecision("16-mixed", "cpu")]}
         return {"precision": precision}
 
-    reference = _Net(dtype=torch.float32)
+    reference = _Net(dtype=torch.float32, hidden=2 * HIDDEN)
     ref_trainer, _ = _fit(tmp_path, reference, LARGE, [], **options())
-    module = _Net(dtype=torch.float32)
+    module = _Net(dtype=torch.float32, hidden=2 * HIDDEN)
     ours = AutobatchCallback(find=False)
-    trainer, _ = _fit(tmp_path, module, "130KiB", [ours], **options())
+    trainer, _ = _fit(tmp_path, module, HALF, [ours], **options())
     assert ours.stats.ooms >= 1
     assert trainer.global_step == ref_trainer.global_step == 3
     if precision == "16-mixed":
@@ -454,8 +461,9 @@ def test_find_refuses_what_it_cannot_set(tmp_path: Any) -> None:
         trainer.fit(_Net(), train_dataloaders=_Net()._loader(64))
     guard_only = AutobatchCallback(find=False)  # the guard needs no size to set
     trainer, _ = _trainer(tmp_path, [guard_only])
-    with SimulatedGPU(SMALL):
-        module = _Net()
+    module = _Net()
+    with SimulatedGPU(SMALL) as gpu:
+        gpu.adopt(module)
         trainer.fit(module, train_dataloaders=module._loader(64))
     assert guard_only.stats.ooms >= 1
     assert trainer.global_step == 3

@@ -227,8 +227,8 @@ class _TokenModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, 48, dtype=torch.float64)
-        self.head = nn.Linear(48, VOCAB, dtype=torch.float64)
+        self.embed = nn.Embedding(VOCAB, 512, dtype=torch.float64)
+        self.head = nn.Linear(512, VOCAB, dtype=torch.float64)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.head(torch.tanh(self.embed(input_ids)))
@@ -245,7 +245,7 @@ def test_guard_weights_a_loss_averaged_per_batch_by_its_tokens(
                                 ragged=True), LARGE)
     trainer = _trainer(_TokenModel(), tmp_path, batch=batch, accumulate=accumulate, ragged=True)
     assert not trainer.model_accepts_loss_kwargs
-    _train(trainer, "400KiB", lambda t: autobatch_trainer(t, find=False, reduction="mean"))
+    _train(trainer, SMALL, lambda t: autobatch_trainer(t, find=False, reduction="mean"))
     assert recovery_stats(trainer).ooms >= 1
     assert trainer.state.global_step == reference.state.global_step == STEPS
     _close(trainer.model, reference.model)
@@ -270,7 +270,7 @@ def test_guard_counts_shifted_labels_for_a_causal_lm_averaged_per_batch(tmp_path
 
 def test_guard_under_bf16_mixed_precision(tmp_path: Any) -> None:
     reference = _train(_trainer(_gpt2(torch.float32), tmp_path, bf16=True), LARGE)
-    trainer = _train(_trainer(_gpt2(torch.float32), tmp_path, bf16=True), "1500KiB",
+    trainer = _train(_trainer(_gpt2(torch.float32), tmp_path, bf16=True), "2MiB",
                      lambda t: autobatch_trainer(t, find=False))
     assert recovery_stats(trainer).ooms >= 1
     assert trainer.state.global_step == reference.state.global_step == STEPS

@@ -51,8 +51,8 @@ def run(name, progress):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch, sample = torch.randn(2000, 64), torch.randn(2, 64)
-    with SimulatedGPU("2MiB") as gpu:
+    batch, sample = torch.randn(12000, 64), torch.randn(2, 64)  # (activations of 12 MB)
+    with SimulatedGPU("32MiB") as gpu:
         gpu.adopt(model)
         step = retry_on_oom(optimizer=opt)(train_step)
         step(batch)
@@ -142,7 +142,7 @@ def test_with_warnings_only_shown_progress_shows_each_trial_once(
     capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     model = torch.nn.Linear(64, 10)
-    with caplog.at_level(logging.WARNING, logger="autobatch"), SimulatedGPU("1MiB") as gpu:
+    with caplog.at_level(logging.WARNING, logger="autobatch"), SimulatedGPU("4MiB") as gpu:
         gpu.adopt(model)
         result = search_batch_size(model, torch.randn(2, 64), torch.optim.SGD, max_batch=4096,
                                    progress=True)
@@ -155,7 +155,7 @@ def test_with_trials_logged_progress_adds_no_line(
     capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     model = torch.nn.Linear(64, 10)
-    with caplog.at_level(logging.INFO, logger="autobatch"), SimulatedGPU("1MiB") as gpu:
+    with caplog.at_level(logging.INFO, logger="autobatch"), SimulatedGPU("4MiB") as gpu:
         gpu.adopt(model)
         result = search_batch_size(model, torch.randn(2, 64), torch.optim.SGD, max_batch=4096,
                                    progress=True)
@@ -225,8 +225,8 @@ def test_recovery_history_and_messages_name_the_users_function(
     def train_step(batch: torch.Tensor) -> None:
         model(batch).sum().backward()
 
-    batch = torch.randn(2048, 32)
-    with caplog.at_level(logging.WARNING, logger="autobatch"), SimulatedGPU("200KiB") as gpu:
+    batch = torch.randn(262144, 32)  # its output (32 MiB) does not fit; an eighth of it does
+    with caplog.at_level(logging.WARNING, logger="autobatch"), SimulatedGPU("24MiB") as gpu:
         gpu.adopt(model)
         step = retry_on_oom(train_step)
         step(batch)
@@ -297,7 +297,7 @@ class Net(pl.LightningModule):
     def __init__(self, batch_size):
         super().__init__()
         self.batch_size = batch_size
-        self.net = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 4))
+        self.net = nn.Sequential(nn.Linear(16, 4096), nn.Tanh(), nn.Linear(4096, 4))
         g = torch.Generator().manual_seed(3)
         self.data = TensorDataset(torch.randn(192, 16, generator=g),
                                   torch.randint(0, 4, (192,), generator=g))
@@ -316,7 +316,7 @@ def fit(module, callback):
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[callback])
-    with SimulatedGPU("300KiB") as gpu:
+    with SimulatedGPU("4MiB") as gpu:
         gpu.adopt(module)
         trainer.fit(module)
 
@@ -355,11 +355,11 @@ def trainer(m, batch, root):
 
 with tempfile.TemporaryDirectory() as root:
     m = model()
-    with SimulatedGPU("3MiB") as gpu:
+    with SimulatedGPU("4MiB") as gpu:
         gpu.adopt(m)
         found = autobatch_trainer(trainer(m, 8, root), guard=False)
     m = model()
-    with SimulatedGPU("3MiB") as gpu:
+    with SimulatedGPU("4MiB") as gpu:
         gpu.adopt(m)
         guarded = autobatch_trainer(trainer(m, 96, root), find=False)
         guarded.train()
