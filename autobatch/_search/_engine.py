@@ -313,7 +313,7 @@ class _Settling:
             predicted = replayed if replayed is not None and misses == 0 else self.predict()
             # the lines misled twice (or there are none): bisect
             bisecting = predicted is None or misses >= 2
-            guess = (lower + above) // 2 if bisecting else predicted
+            guess = (lower + above) // 2 if predicted is None or bisecting else predicted
             size = min(max(guess // self.step * self.step, lower + self.step), above - self.step)
             if probe is None:
                 return size
