@@ -152,7 +152,7 @@ def _find(rank: int) -> dict[str, Any]:
         local = t.to_local() if hasattr(t, "to_local") else t
         held[local.untyped_storage()._cdata] = round_allocation(local.untyped_storage().nbytes())
         whole += t.numel() * t.element_size()  # (a DTensor's numel is the whole tensor's)
-    with SimulatedGPU(CAPACITIES[rank]) as gpu:
+    with SimulatedGPU(CAPACITIES[rank], allocator="exact") as gpu:
         adopted = gpu.adopt(model, opt)
         allocated = gpu.allocated_bytes
         result = autobatch.search_batch_size(
@@ -166,13 +166,13 @@ def _find(rank: int) -> dict[str, Any]:
     # The answer checked by hand: n fits on both ranks, each with its own capacity ...
     for p in model.parameters():
         p.grad = None
-    with SimulatedGPU(CAPACITIES[rank]) as gpu:
+    with SimulatedGPU(CAPACITIES[rank], allocator="exact") as gpu:
         gpu.adopt(model, opt)
         _default_step(model, opt, n, 1)
     # ... and n + 1 does not fit on the tighter rank (both ranks given its capacity: they run
     # out at the same operator, so neither waits in a collective for the other)
     failed = None
-    with SimulatedGPU(CAPACITIES[1]) as gpu:
+    with SimulatedGPU(CAPACITIES[1], allocator="exact") as gpu:
         gpu.adopt(model, opt)
         try:
             _default_step(model, opt, n + 1, 1)
@@ -543,7 +543,7 @@ def _one_rank(rank: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _default_step(model, opt, 4, 0)
     before = _state(model, opt)
-    with SimulatedGPU("1MiB") as gpu:
+    with SimulatedGPU("1MiB", allocator="exact") as gpu:
         gpu.adopt(model, opt)
         allocated = gpu.allocated_bytes
         result = autobatch.search_batch_size(
