@@ -45,7 +45,7 @@ def main() -> None:
         optimizer.step()
         return loss.detach()
 
-    simulated = contextlib.nullcontext() if cuda else SimulatedGPU(f"{16 - 12 * rank}MiB")
+    simulated = contextlib.nullcontext() if cuda else SimulatedGPU(f"{16 - 10 * rank}MiB")
     with simulated as gpu, autobatch.oom_guard(loader) as guard:
         if gpu is not None:
             gpu.adopt(model, optimizer)
