@@ -1,4 +1,4 @@
-"""Long runs under CUDA's caching allocator (simulated): does the size found keep fitting? (not in CI)
+"""Long runs under CUDA's caching allocator (simulated): do the sizes found keep fitting? (not in CI)
 
 A small transformer from ``autobatch.testing.models`` trains for 500 steps on batches whose
 sequence length is drawn at random from a few lengths, inside
@@ -11,21 +11,31 @@ sequence length is drawn at random from a few lengths, inside
    decorated with ``retry_on_oom(optimizer=...)`` and the loop runs in ``oom_guard``. Goal: every
    sample trained exactly once (counted by the guard and by the step itself), the OOMs few,
    the reserved memory bounded.
+3. per length: ``search_batch_sizes`` (default headroom) measures the lengths used, and
+   ``MemoryAwareBatchSampler(lengths, table)`` packs a dataset whose samples have those lengths
+   at random into batches as large as each batch's longest member allows, epoch after epoch;
+   no guard. Goal: no OOM in any step, the reserved memory bounded by the capacity.
+
+The searches take their samples from host memory (made before the simulated GPU is entered),
+as a user's sample is.
 
 Reserved memory is read after every step; its per-step peak is plotted when matplotlib is
 installed (``results/bench_longrun.png``, optional).
 
-    python benchmarks/bench_longrun.py            # about two minutes on 2 CPU cores
+    python benchmarks/bench_longrun.py            # about a minute on 2 CPU cores
     python benchmarks/bench_longrun.py --steps 100
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import random
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +43,16 @@ import torch
 from torch import nn
 
 import autobatch
-from autobatch import oom_guard, retry_on_oom, search_batch_size
+from autobatch import oom_guard, retry_on_oom, search_batch_size, search_batch_sizes
+from autobatch._trial import CACHING_STEPS
+from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import transformer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CAPACITY = 48 << 20
 LENGTHS = (16, 32, 48, 64)
+DATASET = 2000  # samples in the per-length run's dataset (it runs epoch after epoch)
 VOCAB = 1000
 MiB = 1 << 20
 
@@ -55,43 +68,57 @@ def _setup() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _search(gpu: SimulatedGPU) -> Any:
+def _sample(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A user's sample at ``length``: four rows, made in host memory (call it before entering
+    the simulated GPU, which would count it)."""
+    return _tokens(4, length, torch.Generator().manual_seed(1))
+
+
+def _search(gpu: SimulatedGPU, sample: tuple[torch.Tensor, torch.Tensor]) -> Any:
     """The search at the longest length, in ``gpu`` (already entered)."""
     model, opt = _setup()
     gpu.adopt(model)
-    generator = torch.Generator().manual_seed(1)
-    sample = _tokens(4, max(LENGTHS), generator)
     result = search_batch_size(model, sample, opt, loss_fn=nn.functional.cross_entropy)
     return model, opt, result
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> bool:
+    """One training step, unguarded; ``False`` when it ran out of memory (its memory freed)."""
+    try:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    except torch.OutOfMemoryError:
+        autobatch.free_memory()
+        return False
+    return True
 
 
 def run_found(steps: int) -> dict[str, Any]:
     """Part 1: the recommended size, no guard."""
     lengths = random.Random(0).choices(LENGTHS, k=steps)
     generator = torch.Generator().manual_seed(2)
+    sample = _sample(max(LENGTHS))
     with SimulatedGPU(CAPACITY, allocator="caching") as gpu:
-        model, opt, result = _search(gpu)
+        model, opt, result = _search(gpu, sample)
         size = result.batch_size
         reserved: list[int] = []
-        ooms = 0
+        shapes: Counter[tuple[int, int]] = Counter()  # (length, batch) of every step ...
+        failed: Counter[tuple[int, int]] = Counter()  # ... and of those that ran out
         start = time.perf_counter()
         for length in lengths:
             x, y = _tokens(size, length, generator)
             gpu.reset_peak()
-            try:
-                opt.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            except torch.OutOfMemoryError:
-                ooms += 1
-                autobatch.free_memory()
+            shapes[length, size] += 1
+            failed[length, size] += not _train(model, opt, x, y)
             reserved.append(gpu.peak_reserved_bytes)
         seconds = time.perf_counter() - start
+    ooms = failed.total()
     return {
         "name": "found", "batch": size, "max": result.max_batch_size, "trials": len(result.trials),
         "ooms": ooms, "reserved": reserved, "seconds": seconds, "samples": steps * size,
-        "trained": (steps - ooms) * size, "recomputed": 0, "retries": gpu.num_alloc_retries,
-        "changes": 0,
+        "expected": steps * size, "trained": (steps - ooms) * size, "recomputed": 0,
+        "retries": gpu.num_alloc_retries, "changes": 0, "shapes": shapes, "failed": failed,
     }
 
 
@@ -99,8 +126,9 @@ def run_guarded(steps: int) -> dict[str, Any]:
     """Part 2: 30% above the largest size that fits, under the guard."""
     lengths = random.Random(0).choices(LENGTHS, k=steps)
     generator = torch.Generator().manual_seed(2)
+    sample = _sample(max(LENGTHS))
     with SimulatedGPU(CAPACITY, allocator="caching") as gpu:
-        model, opt, result = _search(gpu)
+        model, opt, result = _search(gpu, sample)
         size = int(result.max_batch_size * 1.3)
         trained = [0]
 
@@ -124,9 +152,75 @@ def run_guarded(steps: int) -> dict[str, Any]:
     return {
         "name": "guarded", "batch": size, "max": result.max_batch_size,
         "trials": len(result.trials), "ooms": stats.ooms, "reserved": reserved,
-        "seconds": seconds, "samples": stats.samples,
+        "seconds": seconds, "samples": stats.samples, "expected": steps * size,
         "trained": trained[0], "recomputed": stats.samples_recomputed,
         "retries": gpu.num_alloc_retries, "changes": stats.changes,
+    }
+
+
+def fresh_loop_fits(length: int, size: int) -> bool:
+    """Does a batch of this shape train alone, in a user's own loop: a fresh model and AdamW in
+    a fresh simulator, a new batch copied to the device each step, the loss held until the
+    next, for ``CACHING_STEPS`` steps (as ``tests/_models.py::fresh_loop_fits``)?"""
+    model, opt = _setup()
+    host = _tokens(size, length, torch.Generator().manual_seed(3))
+    try:
+        with SimulatedGPU(CAPACITY, allocator="caching") as gpu:
+            gpu.adopt(model)
+            for _ in range(CACHING_STEPS):
+                x, y = (t.clone() for t in host)  # .to(device)
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+    except torch.OutOfMemoryError:
+        return False
+    return True
+
+
+def _epochs(sampler: MemoryAwareBatchSampler) -> Iterator[list[int]]:
+    """The sampler's batches, epoch after epoch (``set_epoch`` at the start of each)."""
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from sampler
+
+
+def run_per_length(steps: int) -> dict[str, Any]:
+    """Part 3: the sizes ``search_batch_sizes`` recommends per length, batches packed by the
+    ``MemoryAwareBatchSampler``, no guard."""
+    lengths = random.Random(0).choices(LENGTHS, k=DATASET)  # each sample's length
+    generator = torch.Generator().manual_seed(2)
+    samples = {length: _sample(length) for length in LENGTHS}
+    with SimulatedGPU(CAPACITY, allocator="caching") as gpu:
+        model, opt = _setup()
+        gpu.adopt(model)
+        table = search_batch_sizes(
+            model, samples.__getitem__, LENGTHS, opt, loss_fn=nn.functional.cross_entropy
+        )
+        sampler = MemoryAwareBatchSampler(lengths, table, seed=0)
+        reserved: list[int] = []
+        shapes: Counter[tuple[int, int]] = Counter()  # (padded length, batch) of every step ...
+        failed: Counter[tuple[int, int]] = Counter()  # ... and of those that ran out
+        samples_run = trained = 0
+        start = time.perf_counter()
+        for batch in itertools.islice(_epochs(sampler), steps):
+            shape = max(lengths[i] for i in batch), len(batch)
+            x, y = _tokens(shape[1], shape[0], generator)
+            gpu.reset_peak()
+            fits = _train(model, opt, x, y)
+            reserved.append(gpu.peak_reserved_bytes)
+            shapes[shape] += 1
+            failed[shape] += not fits
+            samples_run += len(batch)
+            trained += len(batch) if fits else 0
+        seconds = time.perf_counter() - start
+    return {
+        "name": "per length", "batch": "/".join(str(table.batch_size(n)) for n in LENGTHS),
+        "max": "/".join(str(table.max_batch_size(n)) for n in LENGTHS),
+        "trials": len(table.trials), "ooms": failed.total(), "reserved": reserved,
+        "seconds": seconds, "samples": samples_run, "expected": samples_run, "trained": trained,
+        "recomputed": 0, "retries": gpu.num_alloc_retries, "changes": 0, "shapes": shapes,
+        "failed": failed,
     }
 
 
@@ -139,7 +233,12 @@ def _table(runs: list[dict[str, Any]], steps: int) -> str:
         f"allocator=\"caching\")`, sequence lengths drawn at random from {LENGTHS}. "
         "*found*: the size `search_batch_size` recommends at the longest length, no guard; "
         "*guarded*: 30% above the largest size that fits there, under `oom_guard` and "
-        "`retry_on_oom(optimizer=...)`. Reserved memory is each step's peak. "
+        "`retry_on_oom(optimizer=...)`; *per length*: the sizes `search_batch_sizes` "
+        f"recommends at each of {'/'.join(map(str, LENGTHS))} (default headroom; batch and "
+        "largest that fits are given per length, in that order), batches of a dataset of "
+        f"{DATASET} samples with those lengths at random packed by "
+        "`MemoryAwareBatchSampler(lengths, table)`, epoch after epoch, each padded to its "
+        "longest sample, no guard. Reserved memory is each step's peak. "
         f"torch {torch.__version__}, autobatch {autobatch.__version__}.",
         "",
         "| run | batch | largest that fits (trials) | OOMs | size changes | samples | "
@@ -156,6 +255,18 @@ def _table(runs: list[dict[str, Any]], steps: int) -> str:
             f"{min(tail) / MiB:.1f}-{max(tail) / MiB:.1f} MiB | {r['seconds']:.1f} |"
         )
     lines.append("")
+    for r in runs:  # the unguarded runs' steps that ran out of memory, by shape
+        failed = sorted(shape for shape, count in r.get("failed", {}).items() if count)
+        if failed:
+            lines += [f"*{r['name']}* ran out of memory at (padded length × batch):", ""]
+            lines += [
+                f"- {length} × {size}: {r['failed'][length, size]} of "
+                f"{r['shapes'][length, size]} steps; alone, in a user's own fresh "
+                f"{CACHING_STEPS}-step loop, it "
+                + ("trains" if fresh_loop_fits(length, size) else "runs out of memory too")
+                for length, size in failed
+            ]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -189,17 +300,21 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("autobatch").setLevel(logging.ERROR)
-    runs = [run_found(args.steps), run_guarded(args.steps)]
-    table = _table(runs, args.steps)
-    print(table)
+    started = time.perf_counter()
+    runs = [run_found(args.steps), run_guarded(args.steps), run_per_length(args.steps)]
     failed = []
     for r in runs:
         if max(r["reserved"]) > CAPACITY:
             failed.append(f"{r['name']}: reserved above the capacity")
-        if r["trained"] != r["samples"] or r["samples"] != args.steps * r["batch"]:
+        if r["trained"] != r["samples"] or r["samples"] != r["expected"]:
             failed.append(f"{r['name']}: {r['trained']} samples trained of {r['samples']}")
-    if runs[0]["ooms"]:
-        failed.append("found: the recommended size ran out of memory")
+    for r in (runs[0], runs[2]):
+        if r["ooms"]:
+            failed.append(f"{r['name']}: the recommended sizes ran out of memory")
+    table = _table(runs, args.steps)
+    table += "\n" + ("".join(f"- FAILED {line}\n" for line in failed) or "Every goal met.\n")
+    table += f"\nThe run took {time.perf_counter() - started:.0f} s.\n"
+    print(table)
     if not args.no_save:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "bench_longrun.md").write_text(table)
@@ -207,8 +322,6 @@ def main() -> int:
             print(f"plot: {RESULTS / 'bench_longrun.png'}")
         else:
             print("matplotlib is not installed: no plot")
-    for line in failed:
-        print("FAILED", line)
     return 1 if failed else 0
 
 

@@ -104,7 +104,6 @@ SAMPLE_ROWS = 8  # distinct rows every batch cycles through
 UNLIMITED = 2**50  # a simulated GPU that never runs out, for measuring peaks
 
 
-
 @dataclass(frozen=True)
 class Goals:
     """The goals for our engine, from the issues. Under the caching allocator every trial that
