@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import copy
 import doctest
-import gc
 import logging
 import math
 import random
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,18 +33,9 @@ from autobatch.testing import OOM_KINDS, SimulatedGPU  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
-    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.usefixtures("one_thread", "frozen_heap"),
 ]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap() -> Iterator[None]:
-    """What the process holds before these tests, frozen out of garbage collection: the
-    framework and the guard call gc.collect() (after training, after an OOM), which walks every
-    object of a process that imported the framework, a fifth of a second each time."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 ROWS, FEATURES, CLASSES, HIDDEN = 192, 16, 4, 2048
 SMALL = "4MiB"  # a batch of 64 rows does not fit (in 2 MiB segments); a quarter of it does

@@ -5,12 +5,11 @@ recover from OOM exactly (also with gradient accumulation and a loss averaged pe
 from __future__ import annotations
 
 import doctest
-import gc
 import logging
 import math
 import random
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,18 +32,9 @@ from autobatch.testing import OOM_KINDS, SimulatedGPU  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
-    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.usefixtures("one_thread", "frozen_heap"),
 ]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap() -> Iterator[None]:
-    """What the process holds before these tests, frozen out of garbage collection: the
-    framework and the guard call gc.collect() (after training, after an OOM), which walks every
-    object of a process that imported the framework, a fifth of a second each time."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 ROWS, SEQ, VOCAB = 192, 16, 64  # a few hundred examples: six optimizer steps of 32
 STEPS = ROWS // 32

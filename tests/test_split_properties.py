@@ -14,8 +14,6 @@ it was before the call; and the parts autobatch cannot replay must be the ones r
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,18 +26,7 @@ from torch import nn
 
 from autobatch.testing import check_split
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap() -> Iterator[None]:
-    """Every OOM runs a full garbage collection (it frees tensors a failed attempt left in
-    reference cycles); with the modules and data loaded so far frozen, each one scans only
-    what the examples made."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("frozen_heap")]
 
 
 @dataclass(frozen=True)
