@@ -10,13 +10,14 @@ know nothing of plotting).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from autobatch._errors import AutobatchError
-from autobatch._search import LinearModel, Trial
+from autobatch._search import LinearModel, Trial, Verdicts, trusted_curve
 from autobatch._units import format_bytes
 
 #: What draws a record, ``draw(record, path)``: set by :mod:`autobatch._plot` when it is
@@ -96,6 +97,45 @@ class SearchResult:
     def _trial_at(self, size: int) -> Trial | None:
         fitting = [t for t in self.trials if t.fits and t.size == size]
         return fitting[-1] if fitting else None
+
+    def fits(self, size: int) -> bool | None:
+        """Whether a batch of ``size`` runs, as far as the search knows (``None``: unknown).
+
+        A size a trial ran gets that trial's verdict. Without a caching allocator the peak
+        grows with the batch, so every size up to ``max_batch_size`` fits and every size from
+        ``smallest_failing`` up does not. Under one (CUDA's) fitting is not monotone: a size
+        below the largest can need one more segment than the capacity leaves, and fail. The
+        search's replay of the allocator (where the backend has one, as the simulated GPU does)
+        then says which sizes fit; without it, a size no trial ran is unknown. A record read
+        back from the cache holds no replay.
+
+        >>> from autobatch._search import Verdicts
+        >>> replay = Verdicts(lambda n: None if 5 <= n <= 6 or n > 8 else (n, 2 * n))
+        >>> trials = (Trial(4, True, 4, curve=replay), Trial(8, True, 8), Trial(9, False))
+        >>> result = SearchResult(8, 8, trials, None, 100, "cuda:0", 0.0, True, True)
+        >>> [result.fits(n) for n in (4, 5, 7, 9)]
+        [True, False, True, False]
+        """
+        ran = [t for t in self.trials if t.size == size]
+        if ran:
+            return ran[-1].fits
+        if isinstance(self._replay, Verdicts):
+            return self._replay.peak_at(size) is not None
+        if self._caches:
+            return None
+        if self.smallest_failing is not None and size >= self.smallest_failing:
+            return False
+        return True if size <= self.max_batch_size else None
+
+    @functools.cached_property
+    def _replay(self) -> Callable[[int], int] | None:
+        """The search's replay of the device's allocator, where it gave every trial right."""
+        return trusted_curve(self.trials, self.capacity_bytes)
+
+    @property
+    def _caches(self) -> bool:
+        """Whether a caching allocator stood between the trials and the device."""
+        return any(t.reserved_bytes is not None for t in self.trials)
 
     @property
     def samples_processed(self) -> int:
@@ -341,6 +381,35 @@ class LengthTable:
             AutobatchError: ``length`` is above the longest measured length.
         """
         return self.results[self._index(length)].batch_size
+
+    def fits(self, length: int, size: int) -> bool | None:
+        """Whether a batch of ``size`` samples padded to ``length`` runs, as far as the search
+        knows (``None``: unknown); see :meth:`SearchResult.fits`.
+
+        At a measured length, the search's verdict. At a length between measured ones, a size
+        within the next length up's largest runs when fitting grows with memory (no caching
+        allocator); under a caching allocator it is unknown there: pad batches to
+        :meth:`padded_length` to keep every size a measured one.
+
+        Raises:
+            AutobatchError: ``length`` is above the longest measured length.
+        """
+        index = self._index(length)
+        result = self.results[index]
+        if self.lengths[index] == length:
+            return result.fits(size)
+        if result._caches:
+            return None
+        return True if size <= result.max_batch_size else None
+
+    def padded_length(self, length: int) -> int:
+        """The measured length that answers for ``length``: the shortest at least ``length``.
+        Padding a batch to it makes its size one the search measured.
+
+        Raises:
+            AutobatchError: ``length`` is above the longest measured length.
+        """
+        return self.lengths[self._index(length)]
 
     def max_batch_size(self, length: int) -> int:
         """The exact largest batch that fits at a measured ``length`` (it ran; one more did not,

@@ -20,7 +20,9 @@ __all__ = ["MemoryAwareBatchSampler", "SizeTable"]
 
 
 class SizeTable(Protocol):
-    """Anything that says how many samples of a given length fit in one batch."""
+    """Anything that says how many samples of a given length fit in one batch. A table that
+    also has ``fits(length, size) -> bool | None`` (as :class:`~autobatch.LengthTable` has)
+    is asked of every smaller batch too."""
 
     def batch_size(self, length: int) -> int: ...
 
@@ -41,6 +43,13 @@ class MemoryAwareBatchSampler(Sampler[list[int]]):
     takes the next samples while their count stays within ``table.batch_size(longest length)``
     (and ``max_batch``). The order of the batches is then shuffled. Every index comes exactly
     once per epoch; no batch holds more samples than the table allows for its longest member.
+
+    The batches that close early (the last of a bucket, or the last before a longer length)
+    are smaller than their length allows. Under CUDA's caching allocator a smaller batch is not
+    always one that fits: a size can need one more memory segment than the device has left
+    while a larger one packs into fewer. Where the table knows (``table.fits(length, size)``,
+    as :class:`~autobatch.LengthTable` has from the search's replay of the allocator), such a
+    batch is cut into the fewest batches the table does not rule out, largest first.
 
     Under data parallelism (``num_replicas`` ranks), the packing is done for all ranks at once
     (a batch of ``num_replicas`` times the size) and each such batch is dealt out, row by row,
@@ -90,6 +99,11 @@ class MemoryAwareBatchSampler(Sampler[list[int]]):
                 f"be a function of a length, got {type(table).__name__}"
             )
         self._size_of: Callable[[int], int] = size_of
+        fits = getattr(table, "fits", None)
+        self._fits_of: Callable[[int, int], bool | None] | None = (
+            fits if callable(fits) else None
+        )
+        self._verdicts: dict[tuple[int, int], bool] = {}
         self.shuffle = bool(shuffle)
         self.seed = check_int("seed", seed, minimum=-(2**63))
         self.drop_last = bool(drop_last)
@@ -144,17 +158,41 @@ class MemoryAwareBatchSampler(Sampler[list[int]]):
             current: list[int] = []
             for index in bucket:  # lengths only grow: the newest sample is the longest
                 if current and len(current) + 1 > replicas * self._allowed(self.lengths[index]):
-                    packed.append(current)
+                    packed += self._fitting(current)
                     current = []
                 current.append(index)
             if current:
                 full = len(current) == replicas * self._allowed(self.lengths[current[-1]])
                 if full or not self.drop_last:
-                    packed.append(current)
+                    packed += self._fitting(current)
         if self.shuffle:
             rng.shuffle(packed)
         self._cache = (self.epoch, packed)
         return packed
+
+    def _runs(self, rows: list[int]) -> bool:
+        """Whether the table does not rule out a batch of these rows (sorted by length) on
+        each rank."""
+        if self._fits_of is None:
+            return True
+        key = self.lengths[rows[-1]], -(-len(rows) // self.num_replicas)
+        if key not in self._verdicts:
+            self._verdicts[key] = self._fits_of(*key) is not False
+        return self._verdicts[key]
+
+    def _fitting(self, batch: list[int]) -> list[list[int]]:
+        """``batch`` (sorted by length), or where the table knows its size not to fit, cut
+        into the fewest batches it does not rule out, the largest first (a batch of one row
+        per rank is always kept: the table's size for its length is at least that)."""
+        pieces: list[list[int]] = []
+        rest, step = batch, self.num_replicas
+        while rest:
+            take = len(rest)
+            while take > step and not self._runs(rest[:take]):
+                take = step * (-(-take // step) - 1)  # one row fewer on every rank
+            pieces.append(rest[:take])
+            rest = rest[take:]
+        return pieces
 
     def _share(self, batch: list[int]) -> list[int]:
         """This rank's rows of a batch packed for every rank (topped up to equal shares)."""

@@ -115,6 +115,58 @@ def test_works_as_a_dataloader_batch_sampler_with_max_batch() -> None:
     assert max(s[0] for s in shapes) <= 3
 
 
+class _GappedTable:
+    """A table whose sizes fit up to ``largest`` except a gap (CUDA's caching allocator: a size
+    can need one more segment than a larger one), and which says so."""
+
+    def __init__(self, largest: int, gap: range) -> None:
+        self.largest, self.gap, self.asked = largest, gap, 0
+
+    def batch_size(self, length: int) -> int:
+        return self.largest
+
+    def fits(self, length: int, size: int) -> bool | None:
+        self.asked += 1
+        return size <= self.largest and size not in self.gap
+
+
+@FAST
+@given(count=st.integers(1, 400), largest=st.integers(2, 60), start=st.integers(1, 60),
+       width=st.integers(0, 30), replicas=st.integers(1, 3), bucket=st.integers(1, 500))
+def test_batches_the_table_knows_not_to_fit_are_cut_into_ones_it_does_not_rule_out(
+    count: int, largest: int, start: int, width: int, replicas: int, bucket: int
+) -> None:
+    """Every batch (per rank) is one the table does not rule out; every index still comes,
+    and the ranks still get equal batches; a batch is cut only where it must be."""
+    table = _GappedTable(largest, range(start, start + width))
+    lengths = [7] * count
+    ranks = [
+        list(MemoryAwareBatchSampler(lengths, table, seed=1, bucket_size=bucket,
+                                     num_replicas=replicas, rank=r))
+        for r in range(replicas)
+    ]
+    for step in zip(*ranks, strict=True):
+        assert len({len(b) for b in step}) == 1
+        assert len(step[0]) == 1 or table.fits(7, len(step[0]))
+    seen = {i for r in ranks for b in r for i in b}
+    assert seen == set(range(count))
+    uncut = MemoryAwareBatchSampler(lengths, lambda n: largest, seed=1, bucket_size=bucket,
+                                    num_replicas=replicas)
+    cut = MemoryAwareBatchSampler(lengths, table, seed=1, bucket_size=bucket,
+                                  num_replicas=replicas)
+    if all(table.fits(7, -(-len(b) // replicas)) for b in uncut._packed()):
+        assert cut._packed() == uncut._packed()
+
+
+def test_a_batch_in_a_gap_is_cut_into_the_largest_that_fits_and_the_rest() -> None:
+    table = _GappedTable(40, range(20, 36))
+    batches = list(MemoryAwareBatchSampler([5] * 70, table, shuffle=False))
+    assert [len(b) for b in batches] == [40, 19, 11]  # 30 is in the gap: 19 and 11
+    asked = table.asked
+    list(MemoryAwareBatchSampler([5] * 70, table, shuffle=False))
+    assert table.asked == asked + 14  # 40; 30, 29, ..., 20; 19; 11: each size asked once
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(TypeError, match="table"):
         MemoryAwareBatchSampler([1, 2], 3)  # type: ignore[arg-type]

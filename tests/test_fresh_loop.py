@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from autobatch import BatchSizeError, search_batch_size, search_batch_sizes
+from autobatch import BatchSizeError, LengthTable, search_batch_size, search_batch_sizes
 from autobatch._trial import CACHING_STEPS
+from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import conv_net, gru, mlp, tokens, transformer
 
@@ -140,6 +141,42 @@ def test_23_1_the_optimizer_state_is_made_by_a_real_first_step() -> None:
     n = result.max_batch_size
     assert fresh_loop_fits(template, _vectors, n, "6MiB", allocator="caching")
     assert not fresh_loop_fits(template, _vectors, n + 1, "6MiB", allocator="caching")
+
+
+def test_sizes_below_the_largest_that_fail_are_known_and_the_sampler_cuts_around_them() -> None:
+    """Under caching a size below the largest can fail (MLP, 6 MiB: 513-582 need one more
+    segment than 584 does). The search's replay knows which, as a user's loop finds; the
+    sampler cuts a batch that would land there into sizes that fit, and an epoch trains."""
+    torch.manual_seed(0)
+    template = mlp()
+    result = _found(template, _vectors, "6MiB")
+    largest = result.max_batch_size
+    failing = [n for n in range(1, largest) if result.fits(n) is False]
+    assert failing, "no gap: the test would show nothing"
+    edges = {failing[0] - 1, failing[0], failing[len(failing) // 2], failing[-1], failing[-1] + 1}
+    for n in sorted(edges):
+        assert result.fits(n) == fresh_loop_fits(template, _vectors, n, "6MiB"), n
+    table = LengthTable((1,), (result,))
+    count = largest + failing[len(failing) // 2]  # a full batch, then one in the gap
+    sampler = MemoryAwareBatchSampler([1] * count, table, shuffle=False)
+    sizes = [len(batch) for batch in sampler]
+    rest = count - largest
+    cut = max(k for k in range(1, rest) if result.fits(k))
+    assert sizes[:2] == [largest, cut]
+    assert sum(sizes) == count
+    assert all(result.fits(n) for n in sizes)
+    model = copy.deepcopy(template)
+    host = _vectors(count)
+    with SimulatedGPU("6MiB") as gpu:  # a user's loop over the sampler's batches
+        gpu.adopt(model)
+        opt = torch.optim.AdamW(model.parameters())
+        for batch in sampler:
+            x, y = (t[batch].clone() for t in host)
+            opt.zero_grad()
+            loss = CE(model(x), y)
+            loss.backward()
+            opt.step()
+        assert gpu.oom_count == 0
 
 
 @pytest.mark.slow

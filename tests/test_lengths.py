@@ -161,6 +161,25 @@ def test_lengths_above_the_longest_or_unmeasured_are_refused(searched: dict[str,
     assert table.result(48).max_batch_size == table.max_batch_size(48)
 
 
+def test_fits_at_measured_lengths_and_between_them_without_a_caching_allocator(
+    searched: dict[str, Searched],
+) -> None:
+    """Under the exact allocator fitting grows with memory: a measured length's verdicts are
+    its largest size and the one above, and a shorter length gets at least as much."""
+    table = searched["gru"].table
+    for length in LENGTHS:
+        best = table.max_batch_size(length)
+        assert [table.fits(length, n) for n in (1, best, best + 1)] == [True, True, False]
+        assert table.padded_length(length) == length
+    between = LENGTHS[1] - 1
+    above = table.max_batch_size(LENGTHS[1])
+    assert table.padded_length(between) == LENGTHS[1]
+    assert table.fits(between, above) is True
+    assert table.fits(between, 10 * above) is None  # more might fit there: not measured
+    with pytest.raises(AutobatchError, match="above the longest"):
+        table.fits(max(LENGTHS) + 1, 1)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_state_and_memory_are_as_before(searched: dict[str, Searched], name: str) -> None:
     case = searched[name]
