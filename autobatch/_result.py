@@ -327,8 +327,9 @@ class LengthTable:
     ``results[i]`` is the search at ``lengths[i]`` (ascending), exact like
     :func:`~autobatch.search_batch_size`'s. :meth:`batch_size` answers for any length up to
     the longest measured one, with the size measured at the next length up (memory grows with
-    the length); :meth:`max_batch_size` only for a measured length. Pass the table to
-    :class:`~autobatch.data.MemoryAwareBatchSampler`.
+    the length); :meth:`max_batch_size` only for a measured length; :meth:`fits` whether any
+    size runs, as far as the search knows (under CUDA's caching allocator a smaller size can
+    fail). Pass the table to :class:`~autobatch.data.MemoryAwareBatchSampler`, which asks both.
 
     >>> def measured(size: int) -> SearchResult:
     ...     return SearchResult(size, size, (Trial(size, True),), None, 2**30, "cuda:0", 0.0,
