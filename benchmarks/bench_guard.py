@@ -4,7 +4,7 @@
     python benchmarks/bench_guard.py --quick
 
 1. Overhead on steps that never run out of memory: a small CPU MLP step and a conv net with
-   BatchNorm, plain loop versus the decorated step inside the guard. Interleaved rounds.
+   BatchNorm, plain loop versus the decorated step inside the guard, step by step in turn.
 2. Retries per OOM with the memory model: training on a simulated GPU whose capacity is varied
    between what a sixteenth and what the whole batch needs; for every batch that ran out of memory,
    how many failed attempts it took ("retries per OOM").
@@ -52,24 +52,34 @@ def _per_step(fn: Callable[[], None], steps: int) -> float:
     return (time.thread_time() - start) / steps
 
 
-def _paired(
-    plain: Callable[[], None], other: Callable[[], None], rounds: int, steps: int
+def _interleaved(
+    plain: Callable[[Batch], Any], guarded: Callable[[Batch], Any], batches: list[Batch],
+    rounds: int, steps: int,
 ) -> tuple[float, float]:
-    """``other``'s overhead over ``plain``: the median over rounds of ``other`` timed between two
-    runs of ``plain`` (pairs cancel the machine's drift), as (relative, seconds per step)."""
-    plain()
-    other()
+    """``guarded``'s overhead over ``plain``, step by step: in each round a plain loop and a
+    guarded loop (``guarded`` called on what ``oom_guard`` hands out) advance together, one step
+    of each in turn, in the order plain-guarded, guarded-plain, ... (so that neither always runs
+    second on warm caches); each step's thread CPU time includes taking its batch from its
+    loader. Returns the median over rounds of (relative, seconds per step)."""
+    clock = time.thread_time_ns
     relative, absolute = [], []
-    for _ in range(rounds):
-        before, middle, after = (
-            _per_step(plain, steps),
-            _per_step(other, steps),
-            _per_step(plain, steps),
-        )
-        base = (before + after) / 2
-        relative.append(middle / base - 1)
-        absolute.append(middle - base)
-    return statistics.median(relative), statistics.median(absolute)
+    for _ in range(rounds + 1):  # (the first round warms up)
+        loader = (batches[i % len(batches)] for i in range(steps))
+        plain_total = guarded_total = 0
+        with oom_guard(batches[i % len(batches)] for i in range(steps)) as guard:
+            handed = iter(guard)
+            for i in range(steps):
+                for first in ((True, False) if i % 2 == 0 else (False, True)):
+                    start = clock()
+                    if first:
+                        plain(next(loader))
+                        plain_total += clock() - start
+                    else:
+                        guarded(next(handed))
+                        guarded_total += clock() - start
+        relative.append(guarded_total / plain_total - 1)
+        absolute.append((guarded_total - plain_total) / steps * 1e-9)
+    return statistics.median(relative[1:]), statistics.median(absolute[1:])
 
 
 def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
@@ -92,19 +102,6 @@ def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
     guarded = retry_on_oom(optimizer=opt)(step)
     guarded_noop = retry_on_oom(optimizer=opt, model=model)(noop)  # same parameters and buffers
 
-    def loop(fn: Callable[[Batch], Any], guard: bool) -> Callable[[], None]:
-        def run() -> None:
-            loader = (batches[i % len(batches)] for i in range(steps))
-            if not guard:
-                for batch in loader:
-                    fn(batch)
-                return
-            with oom_guard(loader) as g:
-                for batch in g:
-                    fn(batch)
-
-        return run
-
     def backward_only(batch: Batch) -> None:  # accumulates over calls; the caller steps
         nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
 
@@ -114,13 +111,17 @@ def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
     guarded(batches[0])  # the first call watches which modules run
     opt.zero_grad()
     guarded_noop(batches[0])  # (a step that leaves no gradients behind)
-    plain_time = min(_per_step(loop(step, False), steps) for _ in range(rounds))
-    relative, absolute = _paired(loop(step, False), loop(guarded, True), rounds, steps)
-    _, fixed = _paired(loop(noop, False), loop(guarded_noop, True), rounds, steps)
+    plain_time = min(
+        _per_step(lambda: [step(batches[i % 8]) for i in range(steps)], steps)
+        for _ in range(max(rounds // 4, 3))
+    )
+    opt.zero_grad()  # (gradients left behind would be carried by the no-op step: not bare)
+    _, fixed = _interleaved(noop, guarded_noop, batches, rounds, steps)
+    relative, absolute = _interleaved(step, guarded, batches, rounds, steps)
     opt.zero_grad()
     guarded_backward(batches[0])  # gradients carried from now on
-    backward_relative, backward_absolute = _paired(
-        loop(backward_only, False), loop(guarded_backward, True), rounds, steps
+    backward_relative, backward_absolute = _interleaved(
+        backward_only, guarded_backward, batches, rounds, steps
     )
     params = sum(1 for _ in model.parameters())
     opt.zero_grad()
@@ -138,13 +139,18 @@ def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
 
 def bench_overhead(rounds: int, steps: int) -> None:
     torch.set_num_threads(1)
-    rows = _overhead_rows("mlp", 64, rounds, steps) + _overhead_rows("conv", 16, rounds, steps)
+    rows = [
+        *_overhead_rows("mlp", 64, rounds, steps),
+        *_overhead_rows("mlp", 128, rounds, steps),  # about 2 ms a step
+        *_overhead_rows("conv", 16, rounds, steps),
+    ]
     print("\n## 1. Overhead on steps that never OOM (CPU, Adam)")
     print(
         "MLP 128-256-256-256-10; conv net with two BatchNorm layers (their running statistics "
         f"are copied before every step, so that a failed attempt can be undone). Thread CPU "
-        f"time, 1 thread; {rounds} rounds of {steps} steps, each guarded round timed between "
-        "two plain rounds, median of the pairs\n"
+        f"time, 1 thread; {rounds} rounds of {steps} steps, in each a plain loop and the "
+        "guarded loop taking steps in turn (plain-guarded, guarded-plain, ...), each step timed "
+        "with its batch's hand-out; median over rounds\n"
     )
     print("| workload | measurement | µs per step | relative to the plain step |")
     print("|---|---|---|---|")

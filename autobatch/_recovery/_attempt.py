@@ -288,30 +288,40 @@ class _Attempt:
     def __enter__(self) -> _Attempt:
         self.token = _ATTEMPT.set(self)
         if self.carried:
-            real = torch.autograd.backward
-            self.patch = (real,)
-            torch.autograd.backward = functools.partial(
-                _carrying_backward, real, self.carried
-            )
+            self.keep_carried()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.token is not None:
-            _ATTEMPT.reset(self.token)
-            self.token = None
+        self.end(self.token)
+        self.token = None
+
+    def keep_carried(self) -> None:
+        """Keep the gradients carried from earlier calls apart from the attempt's backward."""
+        real = torch.autograd.backward
+        self.patch = (real,)
+        torch.autograd.backward = functools.partial(_carrying_backward, real, self.carried)
+
+    def end(self, token: contextvars.Token[_Attempt | None] | None) -> None:
+        """The attempt is over: no longer the current one (``token``: what made it so), and
+        autograd's backward is its own again."""
+        if token is not None:
+            _ATTEMPT.reset(token)
         if self.patch is not None:
             torch.autograd.backward = self.patch[0]
             self.patch = None
 
     def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
         self.stepped.append(optimizer)
-        self.ours_stepped = self.ours_stepped or any(optimizer is o for o in self.engine.optimizers)
-        if self.firsts is None:
-            self.firsts = {}
-        if not optimizer.state and id(optimizer) not in self.firsts:  # its first step
-            self.firsts[id(optimizer)] = [
-                (p, p._version) for g in optimizer.param_groups for p in g["params"]
-            ]
+        if not self.ours_stepped and optimizer in self.engine.optimizers:  # (by identity)
+            self.ours_stepped = True
+        if not optimizer.state:  # its first step: the parameters' versions before it
+            firsts = self.firsts
+            if firsts is None:
+                firsts = self.firsts = {}
+            if id(optimizer) not in firsts:
+                firsts[id(optimizer)] = [
+                    (p, p._version) for g in optimizer.param_groups for p in g["params"]
+                ]
 
     def changed(self) -> list[torch.Tensor]:
         """The parameters changed in place since the attempt began (known where the step is

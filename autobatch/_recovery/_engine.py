@@ -37,6 +37,9 @@ from autobatch._recovery._arguments import (
     warn_tuples,
 )
 from autobatch._recovery._attempt import (
+    _ATTEMPT as _CURRENT_ATTEMPT,
+)
+from autobatch._recovery._attempt import (
     _Attempt,
     _Failure,
     _Known,
@@ -107,6 +110,7 @@ class _Engine:
             id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]
         }
         self.ledger = Ledger(self)
+        self._spare: _Attempt | None = None  # the fast path's attempt, when not in use
         self._current: Batch | None = None  # the batch of the call in progress, for the log
         # Gradients only (no optimizer given): the caller steps, and may accumulate over calls.
         self.keeps_gradients = self.policy == "accumulate" and not self.optimizers
@@ -242,7 +246,9 @@ class _Engine:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call of the step: whole on the fast path until memory runs short."""
-        if self.calls == 0 or self.sizes.states or self.coordinated() is not None:
+        if self.calls == 0 or self.sizes.states or (
+            self.options.sync_ranks and self.coordinated() is not None
+        ):
             # the first call (watched, to learn what the step changes), memory ran short
             # before (pieces, measured), or every step is agreed by all ranks
             return self.call(args, kwargs)
@@ -250,21 +256,44 @@ class _Engine:
         # here: an attempt (the optimizer steps that begin, and what the step is known to
         # change, copied), a try, and a look at the allocator's retries.
         known = self.known
-        attempt = _Attempt(self, self._batch_tensors(args, kwargs) if known.writes_batch else None)
+        attempt = self._spare
+        if attempt is not None and known.plain:  # (reset in place: nothing else to copy)
+            self._spare = None
+            if attempt.stepped:
+                attempt.stepped = []
+            attempt.ours_stepped = False
+            attempt.firsts = None
+            attempt.params = known.params
+        else:
+            attempt = _Attempt(
+                self, self._batch_tensors(args, kwargs) if known.writes_batch else None
+            )
+        token = _CURRENT_ATTEMPT.set(attempt)
+        if attempt.carried:
+            attempt.keep_carried()
         failure = None
         try:
-            with attempt:
-                result = self.fn(*args, **kwargs)
+            result = self.fn(*args, **kwargs)
         except BaseException as exc:
+            attempt.end(token)
             failure = self._capture(exc)
             if failure is None:
                 raise
         if failure is not None:  # (out of the except block: the recovery holds no traceback)
             return self.call(args, kwargs, failure, attempt)
+        _CURRENT_ATTEMPT.reset(token)
+        if attempt.patch is not None:
+            attempt.end(None)
+        self._spare = attempt  # (one that failed is the recovery's: a new one next time)
         self.calls += 1
         if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
             self._note_carried()
-        if self.watch.step_done(self._watched()):
+        watch = self.watch
+        device = self.options.device
+        if device is None:
+            params = known.params
+            device = params[0].device if params else None
+        if watch.step_done(device):
             self._thrashing(self._locate(args, kwargs))
         return result
 
