@@ -111,8 +111,7 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
             if engine is None or not engine.sizes.states or engine.policy != "shrink":
                 self._current = batch  # whole batches: the fast path
                 yield batch
-                self._index += 1
-                counts["batches"] += 1
+                self._index += 1  # (the batches handed out: see stats)
                 counts["samples"] += _rows(batch)
                 continue
             try:
@@ -140,7 +139,7 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
 
     def _batch_done(self, samples: int) -> None:
         self._index += 1
-        self._tally.counts.update(batches=1, samples=samples)
+        self._tally.counts["samples"] += samples
 
     # The engine's events (the guard is its observer while active) ----------------------------
 
@@ -164,7 +163,7 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
         handed out, and the current micro-batch size of the step that takes the guard's batches."""
         engine = self._engine or self._reporter
         micro = None if engine is None else engine.tally.micro_batch_size
-        return self._tally.snapshot(micro_batch_size=self._piece or micro)
+        return self._tally.snapshot(batches=self._index, micro_batch_size=self._piece or micro)
 
     def __repr__(self) -> str:
         s = self.stats
