@@ -700,3 +700,21 @@ def test_real_tensors_allocate_what_the_exact_model_counts(
             assert got == want
         else:  # a large block may keep an unsplit remainder of up to 1 MiB
             assert want <= got <= want + large * MiB
+
+
+def test_a_capacity_changed_mid_run_reaches_the_caching_allocator() -> None:
+    """Memory taken by another process while training: the caching model's allocator may
+    reserve only up to the new capacity, and what it holds stays held."""
+    with SimulatedGPU("64MiB") as gpu:
+        held = torch.empty(10 << 20, dtype=torch.uint8)
+        gpu.capacity_bytes = 30 << 20
+        with pytest.raises(torch.OutOfMemoryError, match="total capacity of 30.00 MiB"):
+            torch.empty(25 << 20, dtype=torch.uint8)
+        gpu.used_elsewhere = 0
+        gpu.capacity_bytes = 64 << 20
+        more = torch.empty(25 << 20, dtype=torch.uint8)
+        assert gpu.reserved_bytes >= (35 << 20)
+        gpu.used_elsewhere = 40 << 20
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(25 << 20, dtype=torch.uint8)
+        del held, more

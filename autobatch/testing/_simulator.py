@@ -107,13 +107,13 @@ class SimulatedGPU:
         adopt: tuple[Any, ...] | list[Any] = (),
         used_elsewhere: int | str = 0,
     ) -> None:
+        self._allocator: CachingAllocator | None = None
         self.capacity_bytes = parse_bytes(capacity)
         self.used_elsewhere = parse_bytes(used_elsewhere, name="used_elsewhere") if used_elsewhere else 0
         if self.used_elsewhere >= self.capacity_bytes:
             raise ValueError("used_elsewhere must be less than the capacity")
         self.device_index = device_index
         self.oom_count = 0
-        self._allocator: CachingAllocator | None = None
         if allocator == "caching":
             if block_bytes != CUDA_BLOCK_BYTES:
                 raise ValueError(
@@ -149,6 +149,32 @@ class SimulatedGPU:
         self._entered = False
         if adopt:
             self.adopt(*adopt)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The device's memory. It may be changed while the device is in use (memory taken or
+        given back by another process): the caching model's allocator may then reserve up to
+        the new capacity less ``used_elsewhere``; what it already holds stays held."""
+        return self._capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int) -> None:
+        self._capacity_bytes = value
+        self._limit_changed()
+
+    @property
+    def used_elsewhere(self) -> int:
+        """Memory other processes hold on the device (it may be changed too)."""
+        return self._used_elsewhere
+
+    @used_elsewhere.setter
+    def used_elsewhere(self, value: int) -> None:
+        self._used_elsewhere = value
+        self._limit_changed()
+
+    def _limit_changed(self) -> None:
+        if self._allocator is not None and hasattr(self, "_used_elsewhere"):
+            self._allocator.limit = max(self._capacity_bytes - self._used_elsewhere, 0)
 
     @property
     def allocated_bytes(self) -> int:
