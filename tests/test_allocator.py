@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autobatch.testing._allocator import CachingAllocator
-from autobatch.testing._blocks import (
+from autobatch._allocator import CachingAllocator
+from autobatch._blocks import (
     LARGE_BUFFER,
     SMALL_SIZE,
     AllocatorOutOfMemory,

@@ -21,10 +21,10 @@ from autobatch._accounting import (
     _storage_key,
     storages,
 )
+from autobatch._allocator import CachingAllocator
 from autobatch._backends import BackwardLeftovers, in_backward
+from autobatch._blocks import LARGE_BUFFER, AllocatorOutOfMemory, Block
 from autobatch._units import format_bytes, parse_bytes
-from autobatch.testing._allocator import CachingAllocator
-from autobatch.testing._blocks import LARGE_BUFFER, AllocatorOutOfMemory, Block
 
 _active_lock = threading.Lock()
 _active: list[SimulatedGPU] = []
@@ -46,7 +46,7 @@ class SimulatedGPU:
     autobatch's memory backend for the CPU reports the simulator's numbers.
 
     Two models of the device's allocator. ``"caching"`` (the default: CUDA's behaviour) models
-    PyTorch's CUDA caching allocator (:mod:`autobatch.testing._allocator`): every storage is a
+    PyTorch's CUDA caching allocator (:mod:`autobatch._allocator`): every storage is a
     block in a 2 MiB small-pool or a large-pool segment, freed blocks stay cached in their
     segments, and memory runs out when a new segment does not fit next to those already
     reserved, after the entirely free ones were released, as on a GPU whose process is capped
@@ -238,7 +238,7 @@ class SimulatedGPU:
 
     def allocator_copy(self) -> CachingAllocator | None:
         """A copy of the caching model as it is now (``None`` in the exact model), whose
-        :meth:`~autobatch.testing._allocator.CachingAllocator.replay` tells what storages
+        :meth:`~autobatch._allocator.CachingAllocator.replay` tells what storages
         allocated from here would do."""
         self._mode.settle()
         return None if self._allocator is None else copy.deepcopy(self._allocator)

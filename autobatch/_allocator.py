@@ -1,7 +1,9 @@
-"""A model of PyTorch's CUDA caching allocator, for the simulated GPU.
+"""A model of PyTorch's CUDA caching allocator: the simulated GPU's allocator, and the copy of a
+real device's allocator that the search replays storages through.
 
 Pure Python, no torch: :class:`~autobatch.testing.SimulatedGPU` hands it the byte size of every
-storage it sees and frees the block when the storage dies. The policy is the one of
+storage it sees and frees the block when the storage dies; a real device's backend builds one
+from ``torch.cuda.memory_snapshot()`` (:meth:`CachingAllocator.from_snapshot`). The policy is the one of
 ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``); option parsing follows
 ``c10/core/AllocatorConfig.cpp``. Constants keep the source's names in comments; every rule
 below cites the function it models. Not modelled: streams (one stream, so no cross-stream
@@ -22,7 +24,7 @@ import threading
 from bisect import bisect_left
 from collections.abc import Iterable
 
-from autobatch.testing._blocks import (
+from autobatch._blocks import (
     LARGE_BUFFER,
     MIN_BLOCK_SIZE,
     SHIFT,
