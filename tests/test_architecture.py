@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_errors", "_units", "_validate", "_oom", "_version"),
     (
         "_distributed", "_fsdp", "_log", "_backends", "_batch", "_accounting", "_state",
-        "_allocator", "_blocks",
+        "_allocator", "_blocks", "_snapshot",
     ),
     ("_search",),
     ("testing",),
