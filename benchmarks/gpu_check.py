@@ -61,6 +61,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import logging
 import math
 import threading
 import time
@@ -871,6 +872,23 @@ def _requested(memory: DeviceMemory, device: torch.device) -> tuple[int, int] | 
     return memory.peak_bytes(), memory.peak_reserved_bytes() or 0
 
 
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages ``name``'s logger logs meanwhile, debug ones included."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _compared(name: str, measure: str, real: int | None, replayed: int | None) -> str:
     def shown(value: int | None) -> str:
         return "OOM" if value is None else f"{value / 2**20:.2f} MiB"
@@ -892,9 +910,11 @@ def check_replay(device: torch.device, dry_run: bool, workloads: Workloads) -> l
             gpu.adopt(model)
         memory = memory_for(device)
         autobatch.free_memory(device)
-        replica = memory.allocation_model()
+        with _logged("autobatch.backends") as why:  # (why there is no copy, if there is none)
+            replica = memory.allocation_model()
+        made = "none: " + "; ".join(why) if replica is None else f"{len(replica.blocks())} blocks"
         rows.append(f"| {name} | a copy of the allocator ({cap / 2**30:.2f} GiB cap) | | "
-                    f"{'none' if replica is None else 'made'} | |")
+                    f"{made} | |")
         if replica is None:
             return rows
         real = _requested(memory, device)
