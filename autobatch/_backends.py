@@ -22,6 +22,12 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from autobatch._allocator import CachingAllocator
+from autobatch._log import get_logger
+from autobatch._snapshot import NotModelled, modelled_settings
+
+logger = get_logger("backends")
+
 DeviceLike = torch.device | str | int | None
 
 
@@ -118,7 +124,7 @@ class DeviceMemory(ABC):
     def allocation_model(self) -> AllocationModel | None:
         """A model of the caching allocator as it is now, which replays storages exactly as
         the device would place them (see :class:`AllocationModel`); ``None`` where the backend
-        has none (a real device, whose layout cannot be copied)."""
+        has none."""
         return None
 
     def uncounted_bytes(self, objects: Iterable[Any]) -> int:
@@ -203,6 +209,50 @@ class CudaMemory(DeviceMemory):
         stats = torch.cuda.memory.memory_stats_as_nested_dict(self.device)
         return int(stats.get("num_alloc_retries", 0))
 
+    def allocation_model(self) -> AllocationModel | None:
+        """A copy of the device's caching allocator, built from ``torch.cuda.memory_snapshot()``
+        (see :meth:`~autobatch._allocator.CachingAllocator.from_snapshot`), where torch runs
+        its native allocator with settings the model covers: ``expandable_segments``,
+        ``max_split_size_mb`` and ``max_non_split_rounding_mb`` (the pinned allocator's and the
+        other neutral ones aside). ``None`` under any other setting that changes where blocks
+        go (``roundup_power2_divisions``, ``garbage_collection_threshold``,
+        ``backend:cudaMallocAsync``), with a private pool (a CUDA graph's) or another stream's
+        free blocks, or when anything cannot be read: a search then runs more trials instead.
+
+        Its limit is what the allocator may reserve in all: what it reserved plus the driver's
+        free memory, within the per-process memory fraction (as :meth:`free_bytes`).
+        """
+        try:
+            return self._allocator_copy()
+        except Exception as error:  # whatever cannot be read or modelled: no model
+            logger.debug("no copy of the caching allocator of %s: %s", self.device, error)
+            return None
+
+    def _allocator_copy(self) -> CachingAllocator:
+        backend = torch.cuda.memory.get_allocator_backend()
+        if backend != "native":
+            raise NotModelled(f"the allocator backend is {backend!r}, not the native one")
+        options = modelled_settings(*_allocator_settings())
+        # max_split_size as the allocator runs with it, whichever setting set it last
+        split = torch.cuda.memory_stats(self.device).get("max_split_size")
+        if split is not None:
+            options["max_split_size"] = None if split < 0 else int(split)  # (-1: no limit)
+        free, total = torch.cuda.mem_get_info(self.device)
+        limit = free + torch.cuda.memory_reserved(self.device)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:
+            limit = min(limit, int(fraction(self.device) * total))
+        capacity = self.capacity_bytes()  # an expandable segment spans 9/8 of it
+        index = self.device.index
+        return CachingAllocator.from_snapshot(
+            _memory_snapshot(),
+            int(limit),
+            address_space=capacity + capacity // 8,
+            device=torch.cuda.current_device() if index is None else index,
+            stream=int(torch.cuda.current_stream(self.device).cuda_stream),
+            **options,
+        )
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
@@ -221,6 +271,30 @@ class CudaMemory(DeviceMemory):
     def name(self) -> str:
         runtime = "ROCm" if torch.version.hip else "CUDA"
         return f"{torch.cuda.get_device_name(self.device)} ({runtime}, {self.device})"
+
+
+def _allocator_settings() -> tuple[str, str]:
+    """The CUDA caching allocator's settings string, and what to call it: the last one torch
+    parsed (from the environment at start, or set later, as ``expandable_segments`` is at run
+    time), where this torch tells it; else the environment variable it reads."""
+    last = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if last is not None:
+        return str(last()), "the allocator settings"
+    names = ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"]
+    if torch.version.hip:
+        names.insert(1, "PYTORCH_HIP_ALLOC_CONF")
+    name = next((name for name in names if name in os.environ), names[0])
+    return os.environ.get(name, ""), name
+
+
+def _memory_snapshot() -> list[dict[str, Any]]:
+    """``torch.cuda.memory_snapshot()``, without the allocation history where torch can leave
+    it out."""
+    snapshot: Callable[..., Iterable[dict[str, Any]]] = torch.cuda.memory_snapshot  # (untyped)
+    try:
+        return list(snapshot(include_traces=False))
+    except TypeError:  # (a torch whose snapshot takes no such argument)
+        return list(snapshot())
 
 
 class XpuMemory(DeviceMemory):

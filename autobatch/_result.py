@@ -105,9 +105,9 @@ class SearchResult:
         grows with the batch, so every size up to ``max_batch_size`` fits and every size from
         ``smallest_failing`` up does not. Under one (CUDA's) fitting is not monotone: a size
         below the largest can need one more segment than the capacity leaves, and fail. The
-        search's replay of the allocator (where the backend has one, as the simulated GPU does)
-        then says which sizes fit; without it, a size no trial ran is unknown. A record read
-        back from the cache holds no replay.
+        search's replay of the allocator (where the backend has one: the simulated GPU, and
+        CUDA or ROCm under the settings the model covers) then says which sizes fit; without
+        it, a size no trial ran is unknown. A record read back from the cache holds no replay.
 
         >>> from autobatch._search import Verdicts
         >>> replay = Verdicts(lambda n: None if 5 <= n <= 6 or n > 8 else (n, 2 * n))

@@ -43,6 +43,15 @@
    unchanged), an optimizer fused into backward (exact); a ``torch.compile``d model split (it
    stays compiled: no new frame skipped); and what the ledger costs a split step of the
    transformer, with and without it.
+9. The allocator replay on the device: under a cap, a copy of the caching allocator
+   (``allocation_model()``, on CUDA built from ``torch.cuda.memory_snapshot()``) taken with the
+   model's parameters resident, from an empty cache; a fixed run of requests made on the device
+   against the same requests replayed through the copy (allocated and reserved peaks); a
+   search's trials and which of them the replay took (the trial's curve knows which sizes fit);
+   and for three sizes the replay's peaks against a user's own loop's
+   (``torch.cuda.max_memory_allocated``/``max_memory_reserved`` of five steps from an empty
+   cache and a fresh AdamW). In the dry run the device is a simulator too, and the fixed
+   requests must agree to the byte.
 The process's memory fraction is a setting of this process's allocator, not of the card.
 """
 
@@ -52,6 +61,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import logging
 import math
 import threading
 import time
@@ -65,6 +75,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 import autobatch
 from autobatch._backends import DeviceMemory, memory_for
 from autobatch._measure import _StepPeaks
+from autobatch._search import Verdicts
 from autobatch._workload import prime_optimizer
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import MixtureOfExperts, TinyTransformer, conv_net, mlp
@@ -149,6 +160,18 @@ def _loop_fits(
     """A user's own loop at ``n``: a fresh AdamW, each step a new batch copied from host
     memory and the last loss held until the next one, ``steps`` steps; ``state`` (kept in host
     memory, taken before the cap) puts the weights back."""
+    return _loop_peaks(model, sample, n, device, state, steps) is not None
+
+
+def _loop_peaks(
+    model: nn.Module, sample: Any, n: int, device: torch.device, state: dict[str, torch.Tensor],
+    steps: int = 5,
+) -> tuple[int, int] | None:
+    """:func:`_loop_fits`'s loop from an empty cache: its allocated and reserved peaks, or
+    ``None`` when it ran out of memory."""
+    memory = memory_for(device)
+    autobatch.free_memory(device)
+    memory.reset_peak()
     opt = torch.optim.AdamW(model.parameters())
     failed = False
     with _disable_current_modes():  # host memory (which a simulated GPU must not count)
@@ -164,6 +187,8 @@ def _loop_fits(
         if not autobatch.is_oom_error(error):
             raise
         failed = True
+    memory.synchronize()
+    peaks = (memory.peak_bytes(), memory.peak_reserved_bytes() or 0)
     x = y = loss = None
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
@@ -171,7 +196,7 @@ def _loop_fits(
             value.copy_(state[key])
     del opt
     autobatch.free_memory()
-    return not failed
+    return None if failed else peaks
 
 
 def check_finder(device: torch.device, dry_run: bool, workloads: Workloads) -> list[str]:
@@ -820,6 +845,109 @@ def check_ledger(device: torch.device, dry_run: bool, workloads: Workloads) -> l
     return rows
 
 
+#: Check 9's requests: ``(serial, bytes)``, ``-1`` bytes for a free; small and large blocks,
+#: split, merged and reused, a segment of its own, and a large request in 2 MiB rounding.
+REPLAYED_REQUESTS = [
+    (0, 1000), (1, 3 << 20), (2, 700 << 10), (3, 12 << 20), (1, -1), (4, 2 << 20), (0, -1),
+    (5, 21 << 20), (6, 5 << 20), (3, -1), (7, 11 << 20), (8, 300), (2, -1), (9, (1 << 20) + 1),
+]
+
+
+def _requested(memory: DeviceMemory, device: torch.device) -> tuple[int, int] | None:
+    """:data:`REPLAYED_REQUESTS` made on the device from an empty cache: the allocated and
+    reserved peaks, or ``None`` when one ran out of memory."""
+    memory.reset_peak()
+    live: dict[int, torch.Tensor] = {}
+    try:
+        for serial, nbytes in REPLAYED_REQUESTS:
+            if nbytes < 0:
+                del live[serial]
+            else:
+                live[serial] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        live.clear()
+        memory.synchronize()
+    return memory.peak_bytes(), memory.peak_reserved_bytes() or 0
+
+
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages ``name``'s logger logs meanwhile, debug ones included."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _compared(name: str, measure: str, real: int | None, replayed: int | None) -> str:
+    def shown(value: int | None) -> str:
+        return "OOM" if value is None else f"{value / 2**20:.2f} MiB"
+
+    difference = "" if real is None or replayed is None else f"{replayed - real:+,} bytes"
+    return f"| {name} | {measure} | {shown(real)} | {shown(replayed)} | {difference} |"
+
+
+def check_replay(device: torch.device, dry_run: bool, workloads: Workloads) -> list[str]:
+    """Check 9: the allocator replay on the device."""
+    rows = ["| model | measure | device | replay | difference |", "|---|---|---|---|---|"]
+    name, (make, sample) = next(iter(workloads.items()))
+    torch.manual_seed(0)
+    model = make().to(device)
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    cap = int(0.1 * 2**30) if dry_run else int(0.02 * memory_for(device).capacity_bytes())
+    with _capped(device, cap, dry_run) as gpu:
+        if gpu is not None:
+            gpu.adopt(model)
+        memory = memory_for(device)
+        autobatch.free_memory(device)
+        with _logged("autobatch.backends") as why:  # (why there is no copy, if there is none)
+            replica = memory.allocation_model()
+        made = "none: " + "; ".join(why) if replica is None else f"{len(replica.blocks())} blocks"
+        rows.append(f"| {name} | a copy of the allocator ({cap / 2**30:.2f} GiB cap) | | "
+                    f"{made} | |")
+        if replica is None:
+            return rows
+        real = _requested(memory, device)
+        replayed = replica.replay(REPLAYED_REQUESTS)
+        for i, measure in enumerate(("allocated", "reserved")):
+            rows.append(_compared(name, f"fixed requests: {measure} peak",
+                                  None if real is None else real[i],
+                                  None if replayed is None else replayed[i]))
+        result = autobatch.search_batch_size(
+            model, sample(4), torch.optim.AdamW, loss_fn=CE, headroom=0
+        )
+        trials = ", ".join(
+            f"{t.size}{'' if t.fits else ' OOM'}{' (replay)' if isinstance(t.curve, Verdicts) else ''}"
+            for t in result.trials
+        )
+        rows.append(f"| {name} | trials (replay: the replay took) | {len(result.trials)}: "
+                    f"{trials} | | |")
+        curve = next(
+            (t.curve for t in reversed(result.trials) if isinstance(t.curve, Verdicts)), None
+        )
+        if curve is not None:
+            n = result.max_batch_size
+            for size in sorted({max(n // 4, 1), max(n // 2, 1), n}):
+                peaks = _loop_peaks(model, sample, size, device, state)
+                for i, at in enumerate((curve.peak_at, curve.reserved_at)):
+                    measure = ("allocated", "reserved")[i]
+                    rows.append(_compared(name, f"batch {size}, five steps: {measure} peak",
+                                          None if peaks is None else peaks[i], at(size)))
+    del model
+    autobatch.free_memory()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="run on a SimulatedGPU (CPU)")
@@ -842,6 +970,7 @@ def main() -> None:
         ("7. What an OOM in backward leaves allocated (a mixture of experts)",
          check_failed_backward),
         ("8. The write ledger on the device", check_ledger),
+        ("9. The allocator replay on the device", check_replay),
     ]
     for title, check in checks:
         start = time.perf_counter()

@@ -13,7 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent / "autobatch"
 #: Bottom to top; a module may import from its own layer and the ones below, never above.
 LAYERS: list[tuple[str, ...]] = [
     ("_errors", "_units", "_validate", "_oom", "_version"),
-    ("_distributed", "_fsdp", "_log", "_backends", "_batch", "_accounting", "_state"),
+    (
+        "_distributed", "_fsdp", "_log", "_backends", "_batch", "_accounting", "_state",
+        "_allocator", "_blocks", "_snapshot",
+    ),
     ("_search",),
     ("testing",),
     ("_workload", "_measure"),

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import autobatch
-from autobatch._backends import CpuMemory, CudaMemory, MpsMemory, XpuMemory, memory_for
+from autobatch._backends import (
+    CpuMemory,
+    CudaMemory,
+    MpsMemory,
+    XpuMemory,
+    _allocator_settings,
+    memory_for,
+)
+from autobatch._snapshot import NotModelled, modelled_settings
 from autobatch.testing import SimulatedGPU
 
 
@@ -73,3 +83,31 @@ def test_free_memory_drops_what_a_failed_cpu_backward_left_queued_in_autograd() 
     assert any(ref() is not None for ref in outputs)
     autobatch.free_memory("cpu")
     assert all(ref() is None for ref in outputs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the calls on a CPU-only build")
+def test_no_copy_of_the_cuda_allocator_where_none_can_be_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    memory = CudaMemory(torch.device("cuda", 0))  # constructed directly: no device exists
+    with caplog.at_level(logging.DEBUG, logger="autobatch.backends"):
+        assert memory.allocation_model() is None  # the search's fallback: more trials
+    assert "no copy of the caching allocator of cuda:0" in caplog.text
+
+
+def test_the_allocator_settings_are_the_ones_torch_runs_with() -> None:
+    # Set at run time (as expandable segments are switched), not only in the environment.
+    set_settings = torch._C._accelerator_setAllocatorSettings
+    before = torch._C._accelerator_getAllocatorSettings()
+    try:
+        set_settings("expandable_segments:True,max_split_size_mb:64,pinned_use_background_threads:True")
+        assert modelled_settings(*_allocator_settings()) == {
+            "expandable_segments": True, "max_split_size": 64 * 2**20,
+        }
+        set_settings("roundup_power2_divisions:4")
+        with pytest.raises(NotModelled, match="roundup_power2_divisions:4"):
+            modelled_settings(*_allocator_settings())
+    finally:
+        set_settings("expandable_segments:False")  # (a new string keeps this one setting)
+        set_settings(before)
+    assert _allocator_settings()[0] == before

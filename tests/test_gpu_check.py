@@ -56,3 +56,8 @@ def test_gpu_check_dry_run_passes_every_check() -> None:
     assert failed["in"] == "backward", failed
     assert failed["left allocated after the except block"] == "0 bytes", failed
     assert failed["the batch before runs again"] == "True", failed
+    replay = {row["measure"].split(" (")[0]: row for row in _table(out, "## 9.")}
+    assert replay["a copy of the allocator"]["replay"].endswith(" blocks")
+    for measure in ("allocated", "reserved"):  # the same simulator on both sides
+        assert replay[f"fixed requests: {measure} peak"]["difference"] == "+0 bytes"
+    assert "(replay)" in replay["trials"]["device"]  # the search's replay took

@@ -21,10 +21,11 @@ from autobatch._accounting import (
     _storage_key,
     storages,
 )
+from autobatch._allocator import CachingAllocator
 from autobatch._backends import BackwardLeftovers, in_backward
+from autobatch._blocks import LARGE_BUFFER, AllocatorOutOfMemory, Block
+from autobatch._snapshot import changes_placement, parse_settings, split_size_bytes
 from autobatch._units import format_bytes, parse_bytes
-from autobatch.testing._allocator import CachingAllocator
-from autobatch.testing._blocks import LARGE_BUFFER, AllocatorOutOfMemory, Block
 
 _active_lock = threading.Lock()
 _active: list[SimulatedGPU] = []
@@ -46,7 +47,7 @@ class SimulatedGPU:
     autobatch's memory backend for the CPU reports the simulator's numbers.
 
     Two models of the device's allocator. ``"caching"`` (the default: CUDA's behaviour) models
-    PyTorch's CUDA caching allocator (:mod:`autobatch.testing._allocator`): every storage is a
+    PyTorch's CUDA caching allocator (:mod:`autobatch._allocator`): every storage is a
     block in a 2 MiB small-pool or a large-pool segment, freed blocks stay cached in their
     segments, and memory runs out when a new segment does not fit next to those already
     reserved, after the entirely free ones were released, as on a GPU whose process is capped
@@ -124,7 +125,7 @@ class SimulatedGPU:
             if expandable_segments is None:
                 expandable_segments = bool(config.get("expandable_segments", False))
             if max_split_size_mb is not None:
-                config["max_split_size"] = _split_size(max_split_size_mb, "max_split_size_mb")
+                config["max_split_size"] = split_size_bytes(max_split_size_mb, "max_split_size_mb")
             self._allocator = CachingAllocator(
                 self.capacity_bytes - self.used_elsewhere,
                 expandable_segments=expandable_segments,
@@ -264,10 +265,24 @@ class SimulatedGPU:
 
     def allocator_copy(self) -> CachingAllocator | None:
         """A copy of the caching model as it is now (``None`` in the exact model), whose
-        :meth:`~autobatch.testing._allocator.CachingAllocator.replay` tells what storages
+        :meth:`~autobatch._allocator.CachingAllocator.replay` tells what storages
         allocated from here would do."""
         self._mode.settle()
         return None if self._allocator is None else copy.deepcopy(self._allocator)
+
+    def memory_snapshot(self) -> list[dict[str, Any]]:
+        """The caching model's segments and their blocks as ``torch.cuda.memory_snapshot()``
+        reports a GPU's (empty in the exact model, which has none).
+
+        Each segment has ``device``, ``address``, ``total_size``, ``allocated_size``,
+        ``active_size``, ``requested_size``, ``stream`` (0), ``segment_type``,
+        ``segment_pool_id`` ((0, 0)), ``is_expandable`` and ``blocks`` (each with ``address``,
+        ``size``, ``requested_size`` and ``state``); an expandable segment is one segment per
+        range of mapped pages. :meth:`~autobatch._allocator.CachingAllocator.from_snapshot`
+        reads it back as a real device's backend reads a GPU's.
+        """
+        self._mode.settle()
+        return [] if self._allocator is None else self._allocator.snapshot(self.device_index)
 
     def reset_peak(self) -> None:
         """Start new peak measurements (allocated and reserved) from the current values."""
@@ -526,11 +541,6 @@ class _AllocatorLedger(StorageLedger):
         self.allocator.reset_peak()
 
 
-#: ``PYTORCH_CUDA_ALLOC_CONF`` options that change how device memory is carved up but that
-#: the model leaves out (it warns rather than silently ignoring them).
-_NOT_MODELLED = ("garbage_collection_threshold", "roundup_power2_divisions", "backend")
-
-
 def allocator_config(environ: Mapping[str, str]) -> dict[str, Any]:
     """The caching allocator's options set in ``PYTORCH_CUDA_ALLOC_CONF`` (else
     ``PYTORCH_ALLOC_CONF``), as the simulated GPU reads them.
@@ -542,60 +552,23 @@ def allocator_config(environ: Mapping[str, str]) -> dict[str, Any]:
         environ: The environment (``os.environ``).
 
     Recognised: ``expandable_segments:True|False``, ``max_split_size_mb:N`` and
-    ``max_non_split_rounding_mb:N`` (N >= 20, as ``c10/core/AllocatorConfig.cpp`` requires).
-    Options that change allocation but are not modelled warn; the rest are ignored.
+    ``max_non_split_rounding_mb:N`` (N >= 20, as ``c10/core/AllocatorConfig.cpp`` requires; see
+    :func:`~autobatch._snapshot.parse_settings`). Options that change allocation but are not
+    modelled warn; the rest are ignored.
     """
     name = "PYTORCH_CUDA_ALLOC_CONF"
     text = environ.get(name)
     if text is None:
         name, text = "PYTORCH_ALLOC_CONF", environ.get("PYTORCH_ALLOC_CONF")
-    options: dict[str, Any] = {}
-    for item in _split_options(text or ""):
-        key, _, value = item.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "expandable_segments":
-            if value not in ("True", "False"):
-                raise ValueError(
-                    f"{name}: expandable_segments must be True or False, got {value!r}"
-                )
-            options["expandable_segments"] = value == "True"
-        elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
-            if not value.isdigit():
-                raise ValueError(f"{name}: {key} must be a whole number of MiB, got {value!r}")
-            target = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding"
-            options[target] = _split_size(int(value), f"{name}: {key}")
-        elif key in _NOT_MODELLED and not (key == "backend" and value == "native"):
+    options, others = parse_settings(text or "", name)
+    for key, value in others:
+        if changes_placement(key, value):
             warnings.warn(
                 f"{name} sets {key}:{value}, which the simulated caching allocator does not "
                 "model; it is ignored",
                 stacklevel=3,
             )
     return options
-
-
-def _split_options(text: str) -> list[str]:
-    """``key:value`` items separated by commas (commas inside ``[...]`` lists included)."""
-    items, depth, start = [], 0, 0
-    for i, char in enumerate(text):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-        elif char == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    items.append(text[start:])
-    return [item for item in items if item.strip()]
-
-
-def _split_size(megabytes: int, name: str) -> int:
-    """``max_split_size_mb``-style sizes in bytes; torch refuses fewer than ``kLargeBuffer``
-    (20 MiB) there (``parseMaxSplitSize`` in ``c10/core/AllocatorConfig.cpp``)."""
-    if isinstance(megabytes, bool) or not isinstance(megabytes, int):
-        raise TypeError(f"{name} must be a whole number of MiB, got {megabytes!r}")
-    if megabytes < LARGE_BUFFER >> 20:
-        raise ValueError(f"{name}={megabytes} is too small: torch requires at least 20 (MiB)")
-    return megabytes << 20
 
 
 class SimulatedMemory(_backends.DeviceMemory):

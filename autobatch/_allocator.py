@@ -1,7 +1,9 @@
-"""A model of PyTorch's CUDA caching allocator, for the simulated GPU.
+"""A model of PyTorch's CUDA caching allocator: the simulated GPU's allocator, and the copy of a
+real device's allocator that the search replays storages through.
 
 Pure Python, no torch: :class:`~autobatch.testing.SimulatedGPU` hands it the byte size of every
-storage it sees and frees the block when the storage dies. The policy is the one of
+storage it sees and frees the block when the storage dies; a real device's backend builds one
+from ``torch.cuda.memory_snapshot()`` (:meth:`CachingAllocator.from_snapshot`). The policy is the one of
 ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``); option parsing follows
 ``c10/core/AllocatorConfig.cpp``. Constants keep the source's names in comments; every rule
 below cites the function it models. Not modelled: streams (one stream, so no cross-stream
@@ -20,9 +22,10 @@ from __future__ import annotations
 import copy
 import threading
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from autobatch.testing._blocks import (
+from autobatch._blocks import (
     LARGE_BUFFER,
     MIN_BLOCK_SIZE,
     SHIFT,
@@ -36,6 +39,7 @@ from autobatch.testing._blocks import (
     allocation_size,
     round_size,
 )
+from autobatch._snapshot import SegmentRecord, read_snapshot, write_snapshot
 
 #: The fields of each of CUDA's ``Stat`` counters, as ``torch.cuda.memory_stats()`` reports them.
 _FIELDS = ("current", "peak", "allocated", "freed")
@@ -96,6 +100,86 @@ class CachingAllocator:
         self.num_ooms = 0
         self.num_device_alloc = 0
         self.num_device_free = 0
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        segments: Iterable[Mapping[str, Any]],
+        limit: int,
+        *,
+        expandable_segments: bool = False,
+        max_split_size: int | None = None,
+        max_non_split_rounding: int = LARGE_BUFFER,
+        address_space: int | None = None,
+        device: int | None = None,
+        stream: int = 0,
+    ) -> CachingAllocator:
+        """The allocator a memory snapshot describes (``torch.cuda.memory_snapshot()``'s list,
+        or :meth:`snapshot`'s): its segments, their blocks, allocated or free, in their pools,
+        and the counters that follow (each peak at its current value).
+
+        >>> a = CachingAllocator(limit=64 << 20)
+        >>> x, y = a.malloc(3 << 20), a.malloc(1000)
+        >>> a.free(x)
+        >>> b = CachingAllocator.from_snapshot(a.snapshot(), 64 << 20)
+        >>> b.blocks() == a.blocks(), (b.allocated_bytes, b.reserved_bytes) == (1024, 22 << 20)
+        (True, True)
+
+        Raises :class:`~autobatch._snapshot.NotModelled` (a ``ValueError``) for what the model
+        cannot represent (see :func:`~autobatch._snapshot.read_snapshot`). Of an expandable
+        segment the snapshot shows the mapped pages only: the model's starts at the first of
+        them. New segments go above every segment there is, where a device may place them
+        anywhere (which only decides between cached blocks of one size).
+
+        Args:
+            segments: The snapshot.
+            limit: Bytes the allocator may reserve in all, what it holds already included.
+            expandable_segments, max_split_size, max_non_split_rounding, address_space: As for
+                the constructor; the setting the snapshot's allocator runs with.
+            device: The device whose segments to take (every device's when ``None``).
+            stream: The stream allocations are made on; other streams' segments may only hold
+                allocated blocks.
+        """
+        model = cls(
+            limit, expandable_segments=expandable_segments, max_split_size=max_split_size,
+            max_non_split_rounding=max_non_split_rounding, address_space=address_space,
+        )
+        records = read_snapshot(
+            segments, expandable_segments=expandable_segments,
+            address_space=model.address_space, device=device, stream=stream,
+        )
+        for record in records:
+            model._adopt(record)
+        model._next_address = max([model._next_address, *(r.base + r.size for r in records)])
+        return model
+
+    def _adopt(self, record: SegmentRecord) -> None:
+        """Take a segment of a snapshot in, and count it (as ``alloc_block`` or ``map_block``
+        and ``alloc_found_block`` would have)."""
+        pool = self._small if record.small else self._large
+        segment = Segment(record.base, record.size, pool, expandable=record.expandable)
+        segment.carve(record.pieces)
+        if record.expandable:
+            pool.expandable.append(segment)
+        else:
+            self._segments[segment.base] = segment
+            self.segment_stat.increase(1)
+            pool.segment.increase(1)
+        for block in segment.blocks():
+            if not block.mapped:
+                continue
+            self.reserved_bytes_stat.increase(block.size)
+            pool.reserved_bytes.increase(block.size)
+            if not block.allocated:
+                pool.insert(block)
+                continue
+            for total, stat, amount in (
+                (self.allocated_bytes_stat, pool.allocated_bytes, block.size),
+                (self.requested_bytes_stat, pool.requested_bytes, block.requested),
+                (self.allocation_stat, pool.allocation, 1),
+            ):
+                total.increase(amount)
+                stat.increase(amount)
 
     # -- the public surface ----------------------------------------------------------------
 
@@ -183,6 +267,20 @@ class CachingAllocator:
                     state = "allocated" if block.allocated else "free"
                     found.append((block.address, block.size, state, block.pool.small))
         return sorted(found)
+
+    def snapshot(self, device: int = 0) -> list[dict[str, Any]]:
+        """The segments and blocks as ``torch.cuda.memory_snapshot()`` reports a device's (see
+        :func:`~autobatch._snapshot.write_snapshot`)."""
+        self._flush()
+        return write_snapshot(
+            (
+                SegmentRecord(segment.base, segment.size, segment.pool.small, segment.expandable,
+                              tuple((b.size, b.mapped, b.allocated, b.requested)
+                                    for b in segment.blocks()))
+                for segment in self._all_segments()
+            ),
+            device,
+        )
 
     def stats(self) -> dict[str, int]:
         """The counters of ``torch.cuda.memory_stats()`` that the model keeps, under its names
@@ -281,9 +379,9 @@ class CachingAllocator:
             # A block followed by unmapped space may grow into it, so for best fit it counts
             # as its size plus that space: the growing tail of a segment is the last resort.
             free = pool.free
-            reach = _reach(free[keys[i]])
+            reach = free[keys[i]].reach()
             while i + 1 < len(keys):
-                following = _reach(free[keys[i + 1]])
+                following = free[keys[i + 1]].reach()
                 if following >= reach:
                     break
                 i, reach = i + 1, following
@@ -594,11 +692,3 @@ class CachingAllocator:
             f"CachingAllocator(allocated={self.allocated_bytes}, reserved={self.reserved_bytes}, "
             f"segments={len(self._segment_ranges())})"
         )
-
-
-def _reach(block: Block) -> int:
-    """A free block's size plus the unmapped space right after it, into which it can grow."""
-    following = block.next
-    if following is not None and not following.mapped:
-        return block.size + following.size
-    return block.size

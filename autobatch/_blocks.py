@@ -1,11 +1,11 @@
-"""The pieces of the caching-allocator model (:mod:`autobatch.testing._allocator`): its
+"""The pieces of the caching-allocator model (:mod:`autobatch._allocator`): its
 constants, rounding rules, blocks, segments, counters and pools, as the CUDA source names them.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 #: ``kMinBlockSize``: every request is rounded up to a multiple of 512 bytes (512 at least).
@@ -87,6 +87,13 @@ class Block:
         state = "allocated" if self.allocated else "free" if self.mapped else "unmapped"
         return f"Block({self.address:#x}, {self.size}, {state})"
 
+    def reach(self) -> int:
+        """A free block's size plus the unmapped space right after it, into which it can grow."""
+        following = self.next
+        if following is not None and not following.mapped:
+            return self.size + following.size
+        return self.size
+
     def split(self, size: int) -> Block:
         """Keep the first ``size`` bytes; the rest becomes the next block of the segment (as
         mapped as this one), returned."""
@@ -116,6 +123,17 @@ class Segment:
         block: Block | None = self.head
         while block is not None:
             yield block
+            block = block.next
+
+    def carve(self, pieces: Iterable[tuple[int, bool, bool, int]]) -> None:
+        """Cut the segment, whole until now, into blocks of ``pieces`` (``(size, mapped,
+        allocated, requested bytes)`` in address order, covering it)."""
+        block: Block | None = self.head
+        for size, mapped, allocated, requested in pieces:
+            assert block is not None, "the pieces cover more than the segment"
+            if size < block.size:
+                block.split(size)
+            block.mapped, block.allocated, block.requested = mapped, allocated, requested
             block = block.next
 
 
