@@ -193,13 +193,16 @@ class Trainer:
         self.opt.step()
 
 
-def peak_of(template: nn.Module, batch: Batch) -> int:
+def peak_of(template: nn.Module, batch: Batch, allocator: str = "caching") -> int:
+    """The peak of a steady training step on ``batch``: under the caching allocator the
+    reserved one (what it holds from the device at the step's height, segments included),
+    under the exact one the bytes of the live tensors."""
     trainer = Trainer(template)
-    with SimulatedGPU("8GiB", adopt=[trainer.model, trainer.opt]) as gpu:
+    with SimulatedGPU("8GiB", allocator=allocator, adopt=[trainer.model, trainer.opt]) as gpu:  # type: ignore[arg-type]
         trainer.step(batch)
         gpu.reset_peak()
         trainer.step(batch)
-    return gpu.peak_bytes
+    return gpu.peak_reserved_bytes if allocator == "caching" else gpu.peak_bytes
 
 
 def make_loader(name: str, batches: int, size: int) -> list[Batch]:
@@ -214,8 +217,9 @@ def make_loader(name: str, batches: int, size: int) -> list[Batch]:
 def bench_retries(workloads: list[tuple[str, int]], capacities: int, batches: int) -> None:
     print("\n## 2. Retries per OOM with the memory model (SimulatedGPU, accumulate policy, AdamW)")
     print(
-        f"capacity varied over {capacities} values between the peaks of a sixteenth of the batch "
-        f"and the whole batch; {batches} batches each; retries = failed attempts of a batch\n"
+        f"capacity varied over {capacities} values between the reserved peaks (the caching "
+        "allocator's segments) of a sixteenth of the batch and the whole batch; "
+        f"{batches} batches each; retries = failed attempts of a batch\n"
     )
     print(
         "| workload | batch | OOM incidents | retries: 1 | 2 | 3+ | median | mean | samples recomputed "
@@ -433,7 +437,7 @@ def _trains(template: nn.Module, optimizer: str, batch: Batch, capacity: int) ->
     ran whole), or None when it cannot train there."""
     trainer = _primed(template, optimizer, batch)
     step = retry_on_oom(optimizer=trainer.opt, model=trainer.model)(trainer.step)
-    with SimulatedGPU(capacity) as gpu:
+    with SimulatedGPU(capacity, allocator="exact") as gpu:
         try:
             gpu.adopt(trainer.model, trainer.opt)
         except torch.OutOfMemoryError:  # not even the model state fits
@@ -448,13 +452,14 @@ def _trains(template: nn.Module, optimizer: str, batch: Batch, capacity: int) ->
 
 
 def bench_smallest(workloads: list[tuple[str, int]]) -> None:
-    print("\n## 4. The smallest device a split step trains on (SimulatedGPU)")
+    print("\n## 4. The smallest device a split step trains on (SimulatedGPU, exact allocator)")
     print(
         "bisection over the capacity (to 1 KiB) for one guarded step of the batch; model state = "
         "parameters and the optimizer's state (created by a step before). Accumulating "
         "micro-batches needs the state, one gradient (the earlier pieces' sum, joined by each new "
         "gradient parameter by parameter), one piece's activations, and what the optimizer's "
-        "step allocates for itself (AdamW's foreach temporaries)\n"
+        "step allocates for itself (AdamW's foreach temporaries). Byte accounting: the exact "
+        "allocator (under the caching one, segment sizes set the smallest device)\n"
     )
     print(
         "| workload | batch | optimizer | whole batch's peak | model state | one gradient "
@@ -478,7 +483,7 @@ def bench_smallest(workloads: list[tuple[str, int]]) -> None:
                 for s in trainer.opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor)
             )
-            low, high = state, peak_of(template, batch)
+            low, high = state, peak_of(template, batch, "exact")
             while high - low > 1024:
                 middle = (low + high) // 2
                 if _trains(template, optimizer, batch, middle) is None:
@@ -486,7 +491,8 @@ def bench_smallest(workloads: list[tuple[str, int]]) -> None:
                 else:
                     high = middle
             print(
-                f"| {name} | {size} | {optimizer} | {format_bytes(peak_of(template, batch))} | "
+                f"| {name} | {size} | {optimizer} | "
+                f"{format_bytes(peak_of(template, batch, 'exact'))} | "
                 f"{format_bytes(state)} | {format_bytes(grad)} | {format_bytes(high)} | "
                 f"{_trains(template, optimizer, batch, high)} | "
                 f"{format_bytes(high - state - grad)} |"

@@ -708,7 +708,7 @@ def test_a_capacity_changed_mid_run_reaches_the_caching_allocator() -> None:
     with SimulatedGPU("64MiB") as gpu:
         held = torch.empty(10 << 20, dtype=torch.uint8)
         gpu.capacity_bytes = 30 << 20
-        with pytest.raises(torch.OutOfMemoryError, match="total capacity of 30.00 MiB"):
+        with pytest.raises(torch.OutOfMemoryError, match=r"total capacity of 30\.00 MiB"):
             torch.empty(25 << 20, dtype=torch.uint8)
         gpu.used_elsewhere = 0
         gpu.capacity_bytes = 64 << 20

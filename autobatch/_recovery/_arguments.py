@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch._batch import Batch, ambiguous_paths
+from autobatch._batch import Batch, ambiguous_paths, slice_batch
 from autobatch._log import user_stacklevel
 
 
@@ -108,3 +109,27 @@ def warn_tuples(name: str, batch: Batch, warned: set[str]) -> None:
             UserWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def describe_params(
+    params: list[torch.Tensor], named: dict[str, nn.Module], modules: list[nn.Module]
+) -> str:
+    """Up to four of ``params`` by readable names (a module's name in the step, else its
+    type), for messages."""
+    names: dict[int, str] = {}
+    for prefix, module in named.items():
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), f"{prefix}.{name}")
+    for module in modules:
+        for name, p in module.named_parameters(recurse=False):
+            names.setdefault(id(p), f"{type(module).__name__}.{name}")
+    shown = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in params[:4]]
+    more = "" if len(params) <= 4 else f" and {len(params) - 4} more"
+    return ", ".join(shown) + more
+
+
+def slice_rows(batch: Batch, start: int, stop: int) -> Batch:
+    """Rows ``[start, stop)`` of a batch (views), made outside every dispatch mode: no
+    simulated GPU or fault injection mistakes the engine's own slicing for the step's."""
+    with _disable_current_modes():
+        return slice_batch(batch, start, stop)

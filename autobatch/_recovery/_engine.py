@@ -10,7 +10,6 @@ from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _distributed
 from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
@@ -20,7 +19,6 @@ from autobatch._batch import (
     describe,
     elements_per_sample,
     shape_key,
-    slice_batch,
     tensors,
     uncollated,
 )
@@ -33,12 +31,12 @@ from autobatch._recovery._arguments import (
     _batch_parameter,
     _count_items,
     _modules_of,
+    describe_params,
+    slice_rows,
     warn_batchnorm,
     warn_tuples,
 )
-from autobatch._recovery._attempt import (
-    _ATTEMPT as _CURRENT_ATTEMPT,
-)
+from autobatch._recovery._attempt import _ATTEMPT as _CURRENT_ATTEMPT
 from autobatch._recovery._attempt import (
     _Attempt,
     _Failure,
@@ -211,22 +209,8 @@ class _Engine:
             return p.device
         return None
 
-    def _names(self) -> dict[int, str]:
-        """Readable names of the parameters the step is known to touch, for messages."""
-        names: dict[int, str] = {}
-        for prefix, module in self.named.items():
-            for name, p in module.named_parameters():
-                names.setdefault(id(p), f"{prefix}.{name}")
-        for module in self.known.modules:
-            for name, p in module.named_parameters(recurse=False):
-                names.setdefault(id(p), f"{type(module).__name__}.{name}")
-        return names
-
     def _describe(self, params: list[torch.Tensor]) -> str:
-        names = self._names()
-        shown = [names.get(id(p), f"a {tuple(p.shape)} parameter") for p in params[:4]]
-        more = "" if len(params) <= 4 else f" and {len(params) - 4} more"
-        return ", ".join(shown) + more
+        return describe_params(params, self.named, self.known.modules)
 
     # Running ----------------------------------------------------------------------------------
 
@@ -252,9 +236,8 @@ class _Engine:
             # the first call (watched, to learn what the step changes), memory ran short
             # before (pieces, measured), or every step is agreed by all ranks
             return self.call(args, kwargs)
-        # The fast path, paid by every step that does not run out of memory, so written out
-        # here: an attempt (the optimizer steps that begin, and what the step is known to
-        # change, copied), a try, and a look at the allocator's retries.
+        # The fast path, paid by every step that does not run out of memory, written out: an
+        # attempt (optimizer steps that begin, known changes copied), a try, the retries.
         known = self.known
         attempt = self._spare
         if attempt is not None and known.plain:  # (reset in place: nothing else to copy)
@@ -288,12 +271,10 @@ class _Engine:
         self.calls += 1
         if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
             self._note_carried()
-        watch = self.watch
         device = self.options.device
-        if device is None:
-            params = known.params
-            device = params[0].device if params else None
-        if watch.step_done(device):
+        if device is None and known.params:  # (what _watched says, written out)
+            device = known.params[0].device
+        if self.watch.step_done(device):
             self._thrashing(self._locate(args, kwargs))
         return result
 
@@ -311,10 +292,8 @@ class _Engine:
 
     def _watched(self) -> DeviceLike:
         """The device whose allocator the watch reads: the option, else the parameters'."""
-        if self.options.device is not None:
-            return self.options.device
-        params = self.known.params
-        return params[0].device if params else None
+        device, params = self.options.device, self.known.params
+        return params[0].device if device is None and params else device
 
     def _thrashing(self, batch: Batch) -> None:
         """The allocator released its cache and retried in step after step: a smaller size
@@ -487,7 +466,7 @@ class _Engine:
                     opened = True
                 if n < total and session is None and self.policy == "accumulate":
                     session = self._accumulation()
-                piece = batch if n == total else _rows(batch, done, done + n)
+                piece = batch if n == total else slice_rows(batch, done, done + n)
                 weight = self._weight(batch, piece, n, total, items)
                 if session is not None:
                     session.begin_piece(weight, last)
@@ -712,13 +691,6 @@ class _Engine:
         if n < total:
             warn_tuples(self.name, batch, self.warned)
         return n
-
-
-def _rows(batch: Batch, start: int, stop: int) -> Batch:
-    """Rows ``[start, stop)`` of a batch (views), made outside every dispatch mode: no
-    simulated GPU or fault injection mistakes the engine's own slicing for the step's."""
-    with _disable_current_modes():
-        return slice_batch(batch, start, stop)
 
 
 def _room(memory: DeviceMemory) -> int | None:
