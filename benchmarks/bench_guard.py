@@ -266,6 +266,15 @@ def bench_retries(workloads: list[tuple[str, int]], capacities: int, batches: in
 # 3. Peers' strategies, simulated
 
 
+def _set_capacity(gpu: SimulatedGPU, capacity: int) -> None:
+    """Another process takes (or gives back) memory: under the caching allocator what it
+    takes is what the cache had given back (``empty_cache``), so a change empties the cache;
+    segments in use stay."""
+    if capacity != gpu.capacity_bytes:
+        gpu.capacity_bytes = capacity
+        gpu.empty_cache()
+
+
 def run_ours(
     template: nn.Module, loader: list[Batch], capacity: Callable[[int], int]
 ) -> dict[str, Any]:
@@ -277,7 +286,7 @@ def run_ours(
         oom_guard(loader) as guard,
     ):
         for i, batch in enumerate(guard):
-            gpu.capacity_bytes = capacity(i)
+            _set_capacity(gpu, capacity(i))
             before = step.stats.ooms
             step(batch)
             if step.stats.ooms > before:
@@ -300,7 +309,7 @@ def run_halving(
     ooms, recomputed, incidents = 0, 0, []
     with SimulatedGPU(capacity(0), adopt=[trainer.model, trainer.opt]) as gpu:
         for i, batch in enumerate(loader):
-            gpu.capacity_bytes = capacity(i)
+            _set_capacity(gpu, capacity(i))
             failures = 0
             while True:
                 try:
@@ -349,7 +358,7 @@ def run_restart(
             try:
                 for _i, start in enumerate(range(0, len(xs), size)):
                     # The pressure schedule follows the position in the data, not the step count.
-                    gpu.capacity_bytes = capacity(start // len(loader[0][0]))
+                    _set_capacity(gpu, capacity(start // len(loader[0][0])))
                     trainer.step((xs[start : start + size], ys[start : start + size]))
                     done += min(size, len(xs) - start)
             except Exception as error:  # the strategy under test: restart the whole function

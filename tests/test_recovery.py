@@ -1038,7 +1038,7 @@ def test_memory_returns_to_baseline_over_fifty_steps_with_ooms_and_grows() -> No
             pressure[0] = i % 10 in (4, 5, 6)  # every 10 steps, 3 steps under pressure
             step(batch)
             after.append(gpu.allocated_bytes)  # no gc.collect(): nothing may wait for one
-    assert step.stats.ooms >= 5
+    assert step.stats.ooms >= 4  # (a failed grow keeps the smaller size that failed before)
     assert step.stats.grows >= 5
     assert len(set(after[1:])) == 1, after  # params + grads + momentum, nothing else
     assert run.steps == 50

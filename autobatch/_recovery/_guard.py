@@ -110,9 +110,9 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
             self._piece = None
             if engine is None or not engine.sizes.states or engine.policy != "shrink":
                 self._current = batch  # whole batches: the fast path
+                counts["samples"] += _rows(batch)  # (handed out: counted while it is fresh)
                 yield batch
                 self._index += 1  # (the batches handed out: see stats)
-                counts["samples"] += _rows(batch)
                 continue
             try:
                 total = batch_size(batch)

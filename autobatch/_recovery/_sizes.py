@@ -14,6 +14,9 @@ PROBE_DIVISOR = 8
 MAX_POINTS = 32
 #: Distinct piece sizes needed before a line is fitted (two cannot tell a bent start).
 MIN_FIT_SIZES = 3
+#: Where the memory model was misled (segments), the pieces stop bisecting up once the gap to
+#: the smallest size that failed is at most this fraction of the largest that ran.
+MISLED_GAP = 8
 #: How many batch shapes keep their own piece size (the least recently used is forgotten).
 MAX_SHAPES = 256
 
@@ -172,7 +175,8 @@ class _Sizes:
             new = state.grow_from
             state.grow_from = state.grown_from = None
             state.wait *= 2
-            state.ceiling = failed
+            # (a smaller size that failed before still bounds: the grow found no more room)
+            state.ceiling = failed if state.ceiling is None else min(state.ceiling, failed)
             state.clean = 0
             state.limit = new
             return old, new, "grow failed"
@@ -226,9 +230,12 @@ class _Sizes:
         cap = math.inf if state.ceiling is None else state.ceiling - 1
         if state.misled and state.ceiling is not None:
             # Bytes did not tell where memory runs out (the allocator's segments): halve the
-            # gap between the largest piece that ran and the smallest that failed instead.
+            # gap between the largest piece that ran and the smallest that failed instead,
+            # while the gap is worth an OOM (more than an eighth of the piece that ran).
             cap = (state.good + state.ceiling) // 2
-            state.refine = state.ceiling - state.good > 1
+            state.refine = state.ceiling - state.good > max(1, state.good // MISLED_GAP)
+            if not state.refine:
+                return None
         new = int(min(max(size, state.limit), cap))
         if new <= state.limit:
             return None
