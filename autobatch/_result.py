@@ -19,6 +19,7 @@ from typing import Any
 from autobatch._errors import AutobatchError
 from autobatch._search import LinearModel, Trial, Verdicts, trusted_curve
 from autobatch._units import format_bytes
+from autobatch._validate import check_int
 
 #: What draws a record, ``draw(record, path)``: set by :mod:`autobatch._plot` when it is
 #: imported (as ``import autobatch`` does), so that the records know nothing of plotting and
@@ -116,6 +117,7 @@ class SearchResult:
         >>> [result.fits(n) for n in (4, 5, 7, 9)]
         [True, False, True, False]
         """
+        size = check_int("size", size)
         ran = [t for t in self.trials if t.size == size]
         if ran:
             return ran[-1].fits
@@ -399,6 +401,7 @@ class LengthTable:
         result = self.results[index]
         if self.lengths[index] == length:
             return result.fits(size)
+        size = check_int("size", size)
         if result._caches:
             return None
         return True if size <= result.max_batch_size else None

@@ -178,6 +178,11 @@ def test_fits_at_measured_lengths_and_between_them_without_a_caching_allocator(
     assert table.fits(between, 10 * above) is None  # more might fit there: not measured
     with pytest.raises(AutobatchError, match="above the longest"):
         table.fits(max(LENGTHS) + 1, 1)
+    for bad, error in ((0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="size"):
+            table.fits(LENGTHS[0], bad)  # type: ignore[arg-type]
+        with pytest.raises(error, match="size"):
+            table.fits(between, bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
