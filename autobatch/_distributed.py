@@ -29,11 +29,18 @@ from autobatch._accounting import DispatchMode
 from autobatch._errors import AutobatchError
 
 _AVAILABLE = dist.is_available()
+#: Where torch keeps the default process group (read directly: ``dist.is_initialized()`` is
+#: three calls deep, and the recovery engine asks on every step); ``None`` where it is not.
+_WORLD = getattr(distributed_c10d, "_world", None) if _AVAILABLE else None
+if _WORLD is not None and not hasattr(_WORLD, "_default_pg"):
+    _WORLD = None
 
 
 def active() -> bool:
     """Whether a process group of more than one rank is initialised (cheap when none is: the
     recovery engine asks on every step)."""
+    if _WORLD is not None and _WORLD._default_pg is None:
+        return False
     return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
 
 
