@@ -251,8 +251,8 @@ class _Attempt:
     its backward (:func:`_carrying_backward`)."""
 
     __slots__ = (
-        "batch_versions", "carried", "engine", "firsts", "grads", "ours_stepped", "params",
-        "patch", "shadows", "stepped", "token", "versions",
+        "batch_versions", "carried", "engine", "firsts", "grads", "light", "ours_stepped",
+        "params", "patch", "shadows", "stepped", "token", "versions",
     )
 
     def __init__(self, engine: _Host, batch: list[torch.Tensor] | None = None) -> None:
@@ -268,7 +268,9 @@ class _Attempt:
         self.token: contextvars.Token[_Attempt | None] | None = None
         self.carried: list[tuple[torch.Tensor, torch.Tensor]] = _NOTHING
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None = None
-        if known.plain:
+        #: made for a step known to change nothing: nothing copied (the engine may reuse it)
+        self.light = known.plain
+        if self.light:
             self.versions = self.shadows = self.batch_versions = None
             return
         # the parameters' versions, where the step is known to change them outside its

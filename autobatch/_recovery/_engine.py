@@ -267,7 +267,8 @@ class _Engine:
         _CURRENT_ATTEMPT.reset(token)
         if attempt.patch is not None:
             attempt.end(None)
-        self._spare = attempt  # (one that failed is the recovery's: a new one next time)
+        if attempt.light:  # (one that copied state, or failed, is not reused)
+            self._spare = attempt
         self.calls += 1
         if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
             self._note_carried()
@@ -279,8 +280,7 @@ class _Engine:
         return result
 
     def _note_carried(self) -> None:
-        """A call ended without an optimizer step of the step's own: if it left gradients, the
-        next call may add to them (accumulation across calls)."""
+        """A call without an optimizer step of its own left gradients: the next may add to them."""
         for p in self.known.params:
             if p.grad is not None:
                 self.known.carries = True
