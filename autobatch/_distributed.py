@@ -29,19 +29,26 @@ from autobatch._accounting import DispatchMode
 from autobatch._errors import AutobatchError
 
 _AVAILABLE = dist.is_available()
-#: Where torch keeps the default process group (read directly: ``dist.is_initialized()`` is
-#: three calls deep, and the recovery engine asks on every step); ``None`` where it is not.
-_WORLD = getattr(distributed_c10d, "_world", None) if _AVAILABLE else None
-if _WORLD is not None and not hasattr(_WORLD, "_default_pg"):
-    _WORLD = None
+#: The type of the object where torch keeps the default process group (read directly:
+#: ``dist.is_initialized()`` is three calls deep, and the recovery engine asks on every step).
+_PLAIN_WORLD = getattr(distributed_c10d, "_World", None) if _AVAILABLE else None
+if _PLAIN_WORLD is not None and not (
+    type(getattr(distributed_c10d, "_world", None)) is _PLAIN_WORLD
+    and hasattr(distributed_c10d._world, "_default_pg")
+):
+    _PLAIN_WORLD = None  # (another layout: ask torch)
 
 
 def active() -> bool:
     """Whether a process group of more than one rank is initialised (cheap when none is: the
     recovery engine asks on every step)."""
-    if _WORLD is not None and _WORLD._default_pg is None:
+    if not _AVAILABLE:
         return False
-    return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
+    if _PLAIN_WORLD is not None:  # (a test harness may swap the world for another type)
+        world = distributed_c10d._world
+        if type(world) is _PLAIN_WORLD and world._default_pg is None:
+            return False
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def lone_replica(modules: Sequence[nn.Module]) -> bool:
