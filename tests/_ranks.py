@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -34,6 +35,9 @@ def _entry(
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout))
     result = fn(rank, *args)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    # What the ranks built (DDP modules and their reducers sit in reference cycles) goes while
+    # the process group lives: one left to the collector at exit can abort its process.
+    gc.collect()
     # Every rank reaches the barrier before any tears gloo down: a rank that leaves early can
     # abort a peer whose gloo threads still talk to it.
     dist.barrier()
