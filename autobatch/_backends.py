@@ -180,16 +180,19 @@ class CudaMemory(DeviceMemory):
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def free_bytes(self) -> int:
-        # What this process can still get: the driver's free memory (other processes' use
-        # already taken off) plus our cached-but-unused blocks, within any per-process cap
-        # set with torch.cuda.set_per_process_memory_fraction.
+        # What this process can still get: all it may reserve, less what live tensors hold.
+        return max(self._reservable() - torch.cuda.memory_allocated(self.device), 0)
+
+    def _reservable(self) -> int:
+        """What the caching allocator may hold in all: what it reserved (cached blocks
+        included) plus the driver's free memory (other processes' use already taken off),
+        within any per-process cap set with ``torch.cuda.set_per_process_memory_fraction``."""
         free, total = torch.cuda.mem_get_info(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
-        reachable = free + torch.cuda.memory_reserved(self.device) - allocated
+        limit = free + torch.cuda.memory_reserved(self.device)
         fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         if fraction is not None:
-            reachable = min(reachable, int(fraction(self.device) * total) - allocated)
-        return int(max(reachable, 0))
+            limit = min(limit, int(fraction(self.device) * total))
+        return int(limit)
 
     @property
     def caches(self) -> bool:
@@ -219,8 +222,9 @@ class CudaMemory(DeviceMemory):
         ``backend:cudaMallocAsync``), with a private pool (a CUDA graph's) or another stream's
         free blocks, or when anything cannot be read: a search then runs more trials instead.
 
-        Its limit is what the allocator may reserve in all: what it reserved plus the driver's
-        free memory, within the per-process memory fraction (as :meth:`free_bytes`).
+        Its limit is what the allocator may reserve in all (what :meth:`free_bytes` counts
+        from too): what it reserved plus the driver's free memory, within the per-process
+        memory fraction.
         """
         try:
             return self._allocator_copy()
@@ -237,16 +241,11 @@ class CudaMemory(DeviceMemory):
         split = torch.cuda.memory_stats(self.device).get("max_split_size")
         if split is not None:
             options["max_split_size"] = None if split < 0 else int(split)  # (-1: no limit)
-        free, total = torch.cuda.mem_get_info(self.device)
-        limit = free + torch.cuda.memory_reserved(self.device)
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if fraction is not None:
-            limit = min(limit, int(fraction(self.device) * total))
         capacity = self.capacity_bytes()  # an expandable segment spans 9/8 of it
         index = self.device.index
         return CachingAllocator.from_snapshot(
             _memory_snapshot(),
-            int(limit),
+            self._reservable(),
             address_space=capacity + capacity // 8,
             device=torch.cuda.current_device() if index is None else index,
             stream=int(torch.cuda.current_stream(self.device).cuda_stream),

@@ -272,10 +272,7 @@ class _Engine:
         self.calls += 1
         if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
             self._note_carried()
-        device = self.options.device
-        if device is None and known.params:  # (what _watched says, written out)
-            device = known.params[0].device
-        if self.watch.step_done(device):
+        if self.watch.step_done(self._watched()):
             self._thrashing(self._locate(args, kwargs))
         return result
 

@@ -45,10 +45,6 @@ class _Watch:
     def memory(self, device: Any) -> DeviceMemory | None:
         """The backend of ``device`` when it has a caching allocator, else ``None``."""
         overrides = _backends._overrides
-        if not overrides and self._key is not None and self._key[0] == device and (
-            self._key[1] == 0
-        ):
-            return self._memory  # (the common case, without building a key)
         key = (device, len(overrides), id(overrides[-1]) if overrides else None)
         if key != self._key:
             self._key, self._last, self.streak = key, None, 0
@@ -62,7 +58,7 @@ class _Watch:
     def step_done(self, device: Any) -> bool:
         """A step ended: whether the allocator has retried in each of the last
         :data:`THRASH_STEPS` steps (the count starts again after it says so)."""
-        key = self._key  # (memory()'s common case, written out: this runs on every step)
+        key = self._key  # (the common case without building a key: this runs on every step)
         if key is not None and key[1] == 0 and key[0] == device and not _backends._overrides:
             memory = self._memory
         else:

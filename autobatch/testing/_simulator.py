@@ -108,9 +108,11 @@ class SimulatedGPU:
         adopt: tuple[Any, ...] | list[Any] = (),
         used_elsewhere: int | str = 0,
     ) -> None:
-        self._allocator: CachingAllocator | None = None
-        self.capacity_bytes = parse_bytes(capacity)
-        self.used_elsewhere = parse_bytes(used_elsewhere, name="used_elsewhere") if used_elsewhere else 0
+        self._allocator: CachingAllocator | None = None  # (made below, from these two)
+        self._capacity_bytes = parse_bytes(capacity)
+        self._used_elsewhere = (
+            parse_bytes(used_elsewhere, name="used_elsewhere") if used_elsewhere else 0
+        )
         if self.used_elsewhere >= self.capacity_bytes:
             raise ValueError("used_elsewhere must be less than the capacity")
         self.device_index = device_index
@@ -174,7 +176,7 @@ class SimulatedGPU:
         self._limit_changed()
 
     def _limit_changed(self) -> None:
-        if self._allocator is not None and hasattr(self, "_used_elsewhere"):
+        if self._allocator is not None:
             self._allocator.limit = max(self._capacity_bytes - self._used_elsewhere, 0)
 
     @property
