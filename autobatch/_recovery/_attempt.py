@@ -244,6 +244,14 @@ def _carrying_backward(
     return result
 
 
+def _zeroed(grad: torch.Tensor) -> bool:
+    """Whether a gradient carried into an attempt was zeroed in place by it (``zero_grad(
+    set_to_none=False)`` at the start of the step): the retry zeroes it again, so nothing of
+    its old value counts (read after a failure only)."""
+    with torch.no_grad(), _disable_current_modes():
+        return grad.layout == torch.strided and not bool(grad.any())
+
+
 class _Attempt:
     """One unwatched run of a step function (a whole batch): the optimizer steps that began,
     the parameters' version counters, the known-changing state copied before it, and, for a
@@ -252,7 +260,7 @@ class _Attempt:
 
     __slots__ = (
         "batch_versions", "carried", "engine", "firsts", "grads", "light", "ours_stepped",
-        "params", "patch", "shadows", "stepped", "token", "versions",
+        "params", "patch", "shadows", "stepped", "token", "versions", "versions_carried",
     )
 
     def __init__(self, engine: _Host, batch: list[torch.Tensor] | None = None) -> None:
@@ -262,12 +270,10 @@ class _Attempt:
         self.engine = engine
         self.stepped: list[torch.optim.Optimizer] = []
         self.ours_stepped = False
-        self.params = known.params
         self.firsts: dict[int, list[tuple[torch.Tensor, int]]] | None = None
         self.patch: Any = None
         self.token: contextvars.Token[_Attempt | None] | None = None
-        self.carried: list[tuple[torch.Tensor, torch.Tensor]] = _NOTHING
-        self.grads: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None = None
+        self.began_with(known.params)
         #: made for a step known to change nothing: nothing copied (the engine may reuse it)
         self.light = known.plain
         if self.light:
@@ -280,12 +286,18 @@ class _Attempt:
         self.batch_versions = (
             [(t, t._version) for t in batch] if batch is not None and known.writes_batch else None
         )
-        if known.carries:
-            self.grads = [
-                (p, g, -1 if g is None else g._version) for p in known.params
-                for g in (p.grad,)
-            ]
-            self.carried = [(p, g) for p, g, _ in self.grads if g is not None]
+
+    def began_with(self, params: list[torch.Tensor]) -> None:
+        """Note the gradients as the attempt begins (a failed one puts them back: ``None``
+        stays ``None``); those already there are carried, kept apart from its backward."""
+        self.params = params
+        grads = self.grads = [p.grad for p in params]
+        if grads.count(None) == len(grads):  # (the common case: zeroed with set_to_none)
+            self.carried = _NOTHING
+            self.versions_carried = _NOTHING
+            return
+        self.carried = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        self.versions_carried = [g._version for _, g in self.carried]
 
     def __enter__(self) -> _Attempt:
         self.token = _ATTEMPT.set(self)
@@ -337,11 +349,12 @@ class _Attempt:
         return [p for first in firsts.values() for p, v in first if p._version != v]
 
     def rollback(self) -> None:
-        """Put the known-changing state back as it was when the attempt began, and the
-        gradients carried from earlier calls (the failed attempt's own are dropped)."""
+        """Put the known-changing state back as it was when the attempt began, and every
+        gradient as it was (the failed attempt's own are dropped; ``None`` stays ``None``)."""
         _Known.restore(self.shadows)
-        for p, grad, _ in self.grads or ():
-            p.grad = grad
+        for p, grad in zip(self.params, self.grads, strict=True):
+            if p.grad is not grad:
+                p.grad = grad
 
     def check(
         self,
@@ -365,8 +378,8 @@ class _Attempt:
                 "Change a copy of the batch (x = x / 255 instead of x /= 255), or do it before "
                 "the decorated step"
             ) from failure.exc
-        for _, grad, version in self.grads or ():
-            if grad is not None and grad._version != version:
+        for (_, grad), version in zip(self.carried, self.versions_carried, strict=True):
+            if grad._version != version and not _zeroed(grad):
                 raise AutobatchError(
                     f"{name} ran out of memory ({kind}) after it had added to gradients "
                     "carried from earlier calls outside torch.autograd.backward (or in a second "

@@ -246,7 +246,7 @@ class _Engine:
                 attempt.stepped = []
             attempt.ours_stepped = False
             attempt.firsts = None
-            attempt.params = known.params
+            attempt.began_with(known.params)
         else:
             attempt = _Attempt(
                 self, self._batch_tensors(args, kwargs) if known.writes_batch else None

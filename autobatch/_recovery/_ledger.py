@@ -520,7 +520,7 @@ class Ledger:
             kind=kind, name=name, op=op, where="", early=self.early,
             forward=force is not None or module is not None,
             backward=torch._C._current_autograd_node() is not None,
-            stepped=self.stepped,
+            stepped=self.stepped, first=tensor not in self.batch,
         )
         rule = RULES[kind]
         verdict = rule.decide(write)

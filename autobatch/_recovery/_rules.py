@@ -147,6 +147,7 @@ class Write:
     forward: bool  # inside a module's forward
     backward: bool  # inside autograd's backward
     stepped: bool  # after an optimizer of the step began its (real) step
+    first: bool = False  # the batch had not written this tensor before
 
 
 class Verdict(enum.Enum):
@@ -173,9 +174,17 @@ def _outside_step(w: Write) -> Verdict:
     return Verdict.ALLOW if w.stepped else Verdict.FINAL
 
 
+#: Operators that zero a tensor (``zero_grad(set_to_none=False)``, ``grad.zero_()``).
+ZEROING = frozenset({"aten::zero_", "aten::_foreach_zero_"})
+
+
 def _gradient(w: Write) -> Verdict:
     if w.backward:
         return Verdict.BACKUP  # autograd adding into it
+    if w.early and w.first and w.op in ZEROING:
+        # a gradient carried into the batch, zeroed before any piece added to it (zero_grad
+        # with set_to_none=False at the start of the step): the same as dropping it
+        return Verdict.BACKUP
     return Verdict.REFUSE if w.early else Verdict.ALLOW
 
 
