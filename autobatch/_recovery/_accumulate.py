@@ -1,7 +1,8 @@
 """Gradient accumulation across the pieces of one batch: one optimizer step per batch.
 
-While a split batch runs (a *session*), four things of torch are stood in for, process-wide,
-and routed to the session of the piece that runs (calls from elsewhere pass through):
+While a split batch runs (a *session*), four things of torch are stood in for (by
+:mod:`._patches`, the one place torch is replaced) and routed to the session of the piece that
+runs on the calling thread (calls from elsewhere pass through):
 
 - ``torch.autograd.backward`` (which ``Tensor.backward`` calls): the gradient flowing in at
   the root is the piece's share of the batch's loss, so every gradient of the backward, of
@@ -28,34 +29,18 @@ gradient in ``.grad``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.utils.clip_grad as _clip_grad
-import torch.optim.lr_scheduler as _lr_scheduler
 from torch.utils.hooks import RemovableHandle
 
 from autobatch._errors import AutobatchError
 from autobatch._recovery import _ledger, _rules
-
-
-class _Patch:
-    """Replace an attribute of an object for a while (restored exactly)."""
-
-    def __init__(self, obj: object, name: str, replacement: Any) -> None:
-        self.obj, self.name = obj, name
-        self.had = name in vars(obj)
-        self.previous = vars(obj).get(name)
-        setattr(obj, name, replacement)
-
-    def undo(self) -> None:
-        if self.had:
-            setattr(self.obj, self.name, self.previous)
-        else:
-            delattr(self.obj, self.name)
+from autobatch._recovery._patches import Patch, backward_handler, split_standins
 
 
 def _add(total: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
@@ -74,122 +59,6 @@ def _first(hooks: dict[Any, Any] | None, key: Any) -> None:
     hooks.clear()
     hooks[key] = dict(entries)[key]
     hooks.update((k, v) for k, v in entries if k != key)
-
-
-def _subclasses(cls: type) -> list[type]:
-    found, stack = [], [cls]
-    while stack:
-        klass = stack.pop()
-        found.append(klass)
-        stack.extend(klass.__subclasses__())
-    return found
-
-
-#: The sessions of the split batches running now, innermost last.
-_SESSIONS: list[_Accumulation] = []
-
-
-class _Standins:
-    """The process-wide stand-ins, installed while any session runs (see the module docs)."""
-
-    def __init__(self) -> None:
-        self.users = 0
-        self.patches: list[_Patch] = []
-
-    def install(self) -> None:
-        self.users += 1
-        if self.users > 1:
-            return
-        real_backward = torch.autograd.backward
-        patches = [_Patch(torch.autograd, "backward", functools.partial(_backward, real_backward))]
-        scaler = torch.amp.GradScaler
-        for name in ("unscale_", "step", "update"):
-            patches.append(_Patch(scaler, name, _scaler_method(name, getattr(scaler, name))))
-        for klass in _subclasses(_lr_scheduler.LRScheduler):
-            if "step" in vars(klass):
-                patches.append(_Patch(klass, "step", _scheduler_step(vars(klass)["step"])))
-        grouping = getattr(_clip_grad, "_group_tensors_by_device_and_dtype")  # noqa: B009
-        patches.append(_Patch(_clip_grad, "_group_tensors_by_device_and_dtype",
-                              functools.partial(_group_gradients, grouping)))
-        patches.append(_Patch(torch.Tensor, "grad", _GRAD))
-        self.patches = patches
-
-    def remove(self) -> None:
-        self.users -= 1
-        if self.users > 0:
-            return
-        for patch in reversed(self.patches):
-            patch.undo()
-        self.patches = []
-
-
-_STANDINS = _Standins()
-
-
-def _session() -> _Accumulation | None:
-    """The session whose piece runs now (its ledger is watching), if any."""
-    if not _SESSIONS:
-        return None
-    session = _SESSIONS[-1]
-    return session if session.running else None
-
-
-def _backward(real: Callable[..., Any], tensors: Any, grad_tensors: Any = None,
-              *args: Any, **kwargs: Any) -> Any:
-    session = _session()
-    if session is None or torch._C._current_autograd_node() is not None:
-        return real(tensors, grad_tensors, *args, **kwargs)  # (a recomputation inside backward)
-    return session.backward(real, tensors, grad_tensors, *args, **kwargs)
-
-
-def _scaler_method(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(real)
-    def deferred(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-        session = _session()
-        if session is None:
-            return real(scaler, *args, **kwargs)
-        return session.scaler_call(name, real, scaler, args, kwargs)
-
-    return deferred
-
-
-def _scheduler_step(real: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(real)
-    def step(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-        session = _session()
-        if session is None or session.stepping_scheduler:
-            return real(scheduler, *args, **kwargs)
-        return session.scheduler_call(real, scheduler, args, kwargs)
-
-    return step
-
-
-_TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]
-
-
-def _get_grad(tensor: torch.Tensor) -> torch.Tensor | None:
-    return _TENSOR_GRAD.__get__(tensor)  # type: ignore[no-any-return]
-
-
-def _set_grad(tensor: torch.Tensor, value: torch.Tensor | None) -> None:
-    session = _session()
-    if session is not None and value is not None:
-        session.grad_assigned(tensor)
-    _TENSOR_GRAD.__set__(tensor, value)
-
-
-def _del_grad(tensor: torch.Tensor) -> None:
-    _TENSOR_GRAD.__delete__(tensor)
-
-
-#: ``Tensor.grad`` while a split batch runs: an assignment by the step is seen before it happens.
-_GRAD = property(_get_grad, _set_grad, _del_grad, _TENSOR_GRAD.__doc__)
-
-
-def _group_gradients(real: Callable[..., Any], tensorlistlist: Any, *args: Any, **kwargs: Any) -> Any:
-    if _session() is not None and all(not lst for lst in tensorlistlist):
-        return {}  # no gradient in an early piece: nothing to clip (torch fails on empty lists)
-    return real(tensorlistlist, *args, **kwargs)
 
 
 class _Accumulation:
@@ -231,14 +100,15 @@ class _Accumulation:
         self.stepping_scheduler = False
         self.scalers_seen: list[Any] = list(scalers)
         self.patches = [
-            _Patch(o, "step", self._deferred_step(o, o.step)) for o in optimizers
+            Patch(o, "step", self._deferred_step(o, o.step)) for o in optimizers
         ]
         self.track(params)
         # the gradients in .grad as the batch began (an earlier call's, which a piece folds
         # into the sum only when its backward reaches them), held weakly as the ledger does
         self.began = {id(p): weakref.ref(p.grad) for p in self.params if p.grad is not None}
-        _STANDINS.install()
-        _SESSIONS.append(self)
+        self.standins = contextlib.ExitStack()  # torch's entry points, routed here (_patches)
+        self.standins.enter_context(split_standins(self))
+        self.standins.enter_context(backward_handler(self._route_backward))
 
     # Parameters ------------------------------------------------------------------------------
 
@@ -278,6 +148,12 @@ class _Accumulation:
         return self.contributed or self.moving
 
     # Backward --------------------------------------------------------------------------------
+
+    def _route_backward(self, real: Callable[..., Any], tensors: Any, grad_tensors: Any = None,
+                        *args: Any, **kwargs: Any) -> Any:
+        if not self.running or torch._C._current_autograd_node() is not None:
+            return real(tensors, grad_tensors, *args, **kwargs)  # (a recomputation in backward)
+        return self.backward(real, tensors, grad_tensors, *args, **kwargs)
 
     def backward(self, real: Callable[..., Any], tensors: Any, grad_tensors: Any,
                  *args: Any, **kwargs: Any) -> Any:
@@ -531,9 +407,7 @@ class _Accumulation:
 
     def close(self) -> None:
         self.running = False
-        if self in _SESSIONS:
-            _SESSIONS.remove(self)
-            _STANDINS.remove()
+        self.standins.close()
         self.merge()
         for handle in self.handles:
             handle.remove()

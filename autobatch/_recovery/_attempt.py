@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from autobatch._errors import AutobatchError
 from autobatch._oom import MAX_CHAIN_DEPTH
 from autobatch._recovery import _rules
+from autobatch._recovery._patches import backward_handler
 from autobatch._recovery._rules import Kind, first_step_error, first_step_retryable
 
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
@@ -209,8 +210,8 @@ class _Host(Protocol):
 
 
 def _carrying_backward(
-    real: Callable[..., Any], carried: list[tuple[torch.Tensor, torch.Tensor]],
-    tensors: Any, *args: Any, **kwargs: Any,
+    real: Callable[..., Any], tensors: Any, *args: Any,
+    carried: list[tuple[torch.Tensor, torch.Tensor]], **kwargs: Any,
 ) -> Any:
     """``torch.autograd.backward`` for a step that adds to gradients carried from earlier
     calls: the carried ones are set aside while backward runs and the new ones added to them
@@ -311,9 +312,8 @@ class _Attempt:
 
     def keep_carried(self) -> None:
         """Keep the gradients carried from earlier calls apart from the attempt's backward."""
-        real = torch.autograd.backward
-        self.patch = (real,)
-        torch.autograd.backward = functools.partial(_carrying_backward, real, self.carried)
+        self.patch = backward_handler(functools.partial(_carrying_backward, carried=self.carried))
+        self.patch.__enter__()
 
     def end(self, token: contextvars.Token[_Attempt | None] | None) -> None:
         """The attempt is over: no longer the current one (``token``: what made it so), and
@@ -321,7 +321,7 @@ class _Attempt:
         if token is not None:
             _ATTEMPT.reset(token)
         if self.patch is not None:
-            torch.autograd.backward = self.patch[0]
+            self.patch.__exit__(None, None, None)
             self.patch = None
 
     def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:

@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autobatch._accounting import DispatchMode, call_keeping_versions
 from autobatch._batch import Batch, batch_size, tensors
 from autobatch._errors import AutobatchError
-from autobatch._recovery import _accumulate
+from autobatch._recovery import _patches
 from autobatch._recovery._decorator import retry_on_oom
 from autobatch._recovery._options import RecoveryOptions
 from autobatch._recovery._world import World, cast_batch
@@ -306,7 +306,7 @@ class _Faults(DispatchMode):
 
     def _accumulated(self, _: torch.Tensor) -> None:
         if self.schedule in ("backward", "backward_last", "fast_backward"):
-            session = _accumulate._session()
+            session = _patches.running_split()
             if self.schedule == "fast_backward":
                 self.armed = session is None and not self.fired
             elif session is not None and session.last == (self.schedule == "backward_last"):

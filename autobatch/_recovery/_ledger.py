@@ -22,10 +22,10 @@ of memory is never watched (see :mod:`._attempt` for its cheaper checks).
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -35,7 +35,6 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
 from autobatch._accounting import (
@@ -49,6 +48,8 @@ from autobatch._accounting import (
 from autobatch._backends import restore_rng_states, save_rng_states
 from autobatch._errors import AutobatchError
 from autobatch._recovery import _attempt
+from autobatch._recovery._backups import Backups
+from autobatch._recovery._patches import backward_handler
 from autobatch._recovery._rules import (
     _BUSY,
     CHECKS,
@@ -67,23 +68,41 @@ from autobatch._recovery._rules import (
     _metric_state,
     _put_metric,
     _search,
-    engine_work,
     first_step_error,
     first_step_retryable,
-    host_copy,
     leaves,
     refusal,
     user_frame,
 )
 
-#: Ledgers watching an attempt now, innermost last (process-wide: backward hooks run on
-#: autograd's own threads, where context variables of the caller are not set).
-_WATCHING: list[Ledger] = []
+#: Ledgers watching an attempt now, by thread, innermost last.
+_WATCHING: dict[int, list[Ledger]] = {}
+
+
+def _watch(ledger: Ledger) -> None:
+    _WATCHING.setdefault(threading.get_ident(), []).append(ledger)
+
+
+def _unwatch(ledger: Ledger) -> None:
+    thread = threading.get_ident()
+    mine = _WATCHING.get(thread, [])
+    if ledger in mine:
+        mine.remove(ledger)
+    if not mine:
+        _WATCHING.pop(thread, None)
 
 
 def watching() -> Ledger | None:
-    """The innermost ledger watching an attempt, if any."""
-    return _WATCHING[-1] if _WATCHING else None
+    """The innermost ledger watching an attempt of this thread's step, if any. On a thread of
+    autograd's own (a device's backward), where no step runs, the one ledger watching in the
+    process, if there is exactly one (with two, whose backward it is cannot be told)."""
+    mine = _WATCHING.get(threading.get_ident())
+    if mine:
+        return mine[-1]
+    if len(_WATCHING) == 1 and torch._C._current_autograd_node() is not None:
+        (only,) = _WATCHING.values()
+        return only[-1] if only else None
+    return None
 
 
 
@@ -122,55 +141,6 @@ class _Host(Protocol):
     def named_modules_known(self) -> list[tuple[str, nn.Module]]: ...
 
     def params_known(self) -> list[torch.Tensor]: ...
-
-
-_View = tuple[int, int, tuple[int, ...], tuple[int, ...]]
-
-
-def _view(tensor: torch.Tensor) -> _View:
-    """Which bytes of which storage a tensor is."""
-    return (
-        _key(tensor), int(tensor.storage_offset()), tuple(map(int, tensor.shape)),
-        tuple(map(int, tensor.stride())),
-    )
-
-
-#: Backups larger than this are kept in host memory, not on the device.
-HOST_BACKUP_BYTES = 2**20
-
-
-@dataclass
-class _Backups:
-    """Copies of tensors taken before their first write, put back in reverse order."""
-
-    entries: dict[_View, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def take(self, tensor: torch.Tensor, copy: torch.Tensor | None = None) -> torch.Tensor:
-        view = _view(tensor)
-        found = self.entries.get(view)
-        if found is not None:
-            return found[1]
-        if copy is None:
-            if tensor.numel() * tensor.element_size() > HOST_BACKUP_BYTES:
-                copy = host_copy(tensor)  # (device memory is short: that is why we are here)
-            else:
-                with engine_work(), torch.no_grad():
-                    copy = tensor.detach().clone()
-        self.entries[view] = (tensor, copy)
-        return copy
-
-    def __contains__(self, tensor: torch.Tensor) -> bool:
-        return _view(tensor) in self.entries
-
-    def put_back(self) -> None:
-        with engine_work(), torch.no_grad():
-            for tensor, copy in reversed(list(self.entries.values())):
-                if copy.device != tensor.device:
-                    with _disable_current_modes():  # (from host memory, uncounted)
-                        tensor.copy_(copy)
-                else:
-                    tensor.copy_(copy)
-        self.entries.clear()
 
 
 # The dispatch mode ------------------------------------------------------------------------------
@@ -237,7 +207,7 @@ def _call(facts: OpFacts, func: Any, args: tuple[Any, ...], kwargs: dict[str, An
     return func(*args, **kwargs)
 
 
-def _discovering(real: Callable[..., Any], ledger: Ledger, tensors: Any, *args: Any,
+def _discovering(real: Callable[..., Any], tensors: Any, *args: Any, ledger: Ledger,
                  **kwargs: Any) -> Any:
     """``torch.autograd.backward`` in a watched whole attempt: the parameters outside the
     known modules that receive gradients are found first (then indexed, and known to the fast
@@ -277,8 +247,8 @@ class Ledger:
         self.wrote_in_step = False  # it wrote the parameters or its state
         self.step_versions: list[tuple[torch.Tensor, int]] = []
         self.final: list[Write] = []  # writes that cannot be undone
-        self.piece = _Backups()
-        self.batch = _Backups()
+        self.piece = Backups()
+        self.batch = Backups()
         self.metrics: list[nn.Module] = []
         self.metric_batch: list[Any] = []
         self.metric_piece: list[Any] = []
@@ -361,7 +331,7 @@ class Ledger:
         self.metric_batch = [_metric_state(m) for m in self.metrics]
         self.hyper = [_hyperparameters(o) for o in host.optimizers]
         self.rng_batch = save_rng_states()
-        self.batch = _Backups()
+        self.batch = Backups()
 
     @property
     def batchnorms(self) -> list[nn.Module]:
@@ -378,8 +348,8 @@ class Ledger:
         self._is_open = False
         self.index = {}
         self.fresh = set()
-        self.piece = _Backups()
-        self.batch = _Backups()
+        self.piece = Backups()
+        self.batch = Backups()
         self.metric_batch = self.metric_piece = []
         self.carried = []
         self.rng_batch = self.rng_piece = None
@@ -414,7 +384,7 @@ class Ledger:
         self.step_versions = []
         self.final = []
         self.fresh = set()
-        self.piece = _Backups()
+        self.piece = Backups()
         if records and self._is_open:
             self.metric_piece = [_metric_state(m) for m in self.metrics]
             self.rng_piece = save_rng_states()
@@ -432,16 +402,15 @@ class Ledger:
                 lambda module, args, output: on_forward(module, False), always_call=True
             ),
         ]
-        _WATCHING.append(self)
-        real_backward = torch.autograd.backward
-        if records and not split:  # (a split batch's session finds them itself)
-            torch.autograd.backward = functools.partial(_discovering, real_backward, self)
+        _watch(self)
         try:
-            with _Mode(self) if records or gate is not None else nullcontext():
+            with (
+                backward_handler(functools.partial(_discovering, ledger=self))
+                if records and not split else nullcontext()  # (a session finds them itself)
+            ), _Mode(self) if records or gate is not None else nullcontext():
                 yield
         finally:
-            torch.autograd.backward = real_backward
-            _WATCHING.remove(self)
+            _unwatch(self)
             for hook in hooks:
                 hook.remove()
             self.gate = None
@@ -615,7 +584,7 @@ class Ledger:
         )
         for check in CHECKS:
             check(edge)
-        self.piece = _Backups()
+        self.piece = Backups()
 
     def undo_piece(self) -> None:
         """Put back what the failed attempt changed (the earlier pieces' work stays)."""
@@ -629,7 +598,7 @@ class Ledger:
         """Put back everything since the batch began (a restart, a refusal, an error)."""
         # (taken first: a gradient the batch began with may live on in the backups alone)
         carried = [(p, None if ref is None else ref()) for p, ref in self.carried]
-        self.piece = _Backups()
+        self.piece = Backups()
         self.batch.put_back()
         for saved in self.metric_batch:
             _put_metric(saved)

@@ -17,8 +17,9 @@ from autobatch._backends import free_memory
 from autobatch._errors import AutobatchError
 from autobatch._log import get_logger
 from autobatch._oom import is_oom_error
-from autobatch._recovery._accumulate import _Accumulation, _Patch
+from autobatch._recovery._accumulate import _Accumulation
 from autobatch._recovery._attempt import _VERSION, _Failure, _Known, _strip_tracebacks
+from autobatch._recovery._patches import Patch
 from autobatch._recovery._records import _Tally
 from autobatch._recovery._rules import first_step_retryable
 
@@ -194,7 +195,7 @@ class _Coordination:
         The engine's ledger watches it, and calls :meth:`gate` before every collective and
         :meth:`forward` at every module's forward."""
         patches = [  # (undone after the attempt, before the session's own)
-            _Patch(o, "step", functools.update_wrapper(
+            Patch(o, "step", functools.update_wrapper(
                 functools.partial(self._step, o, o.step), o.step
             ))
             for o in self.engine.optimizers
