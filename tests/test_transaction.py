@@ -1,0 +1,321 @@
+"""One call of a decorated step is one transaction, whichever path it takes: a failed attempt
+is undone the same way on the fast path (the whole batch, unwatched) and on the split path,
+and nothing of torch stays replaced after a call.
+
+The truth is the same loop unguarded, in float64. OOMs are injected in forward, in backward
+after some gradients landed in ``.grad``, and in the optimizer's first step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autobatch import AutobatchError, retry_on_oom
+from autobatch._recovery import _patches
+from autobatch.testing import inject_oom
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data(call: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + call)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch._C._current_autograd_node() is not None:
+            self.backward += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _late_backward_op() -> int:
+    """The last operator of the model's backward: by then most gradients are in ``.grad``."""
+    model = _model()
+    with _Count() as count:
+        _loss(model, _data(0)).backward()
+    landed = []
+    for at in (count.backward - 1, count.backward - 2):
+        model.zero_grad()
+        try:
+            with inject_oom(phase="backward", at_op=at):
+                _loss(model, _data(0)).backward()
+        except RuntimeError:
+            pass
+        landed.append(sum(p.grad is not None for p in model.parameters()))
+    assert 0 < landed[0] < len(list(model.parameters())), landed  # partial: the case under test
+    return count.backward - 1
+
+
+def _faults() -> dict[str, Callable[[], inject_oom]]:
+    late = _late_backward_op()
+    return {
+        "forward": lambda: inject_oom(phase="forward", at_op=2),
+        "backward after gradients landed": lambda: inject_oom(phase="backward", at_op=late),
+        "first optimizer step": lambda: inject_oom(phase="optimizer", at_op=1),
+    }
+
+
+FAULTS = ["forward", "backward after gradients landed", "first optimizer step"]
+
+
+def _train(
+    make_step: Callable[[nn.Module, torch.optim.Optimizer], Callable[..., Any]],
+    kind: str, fault: str | None, at_calls: set[int], calls: int = 5,
+) -> nn.Module:
+    model = _model()
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9) if kind == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    )
+    step = make_step(model, opt)
+    guarded = retry_on_oom(optimizer=opt)(step) if fault is not None else step
+    faults = _faults() if fault is not None else {}
+    for call in range(calls):
+        batch = _data(call)
+        if fault is not None and call in at_calls and (fault != "first optimizer step" or call == 0):
+            with faults[fault]():  # (only a first step is retried: on call 0)
+                guarded(batch)
+        else:
+            guarded(batch)
+    return model
+
+
+def _assert_same(a: nn.Module, b: nn.Module) -> None:
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
+
+
+def _zero_at_end(set_to_none: bool) -> Callable[..., Callable[..., Any]]:
+    def make(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+        def step(batch: Any) -> torch.Tensor:
+            loss = _loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+            return loss.detach()
+
+        return step
+
+    return make
+
+
+def _zero_at_start(set_to_none: bool) -> Callable[..., Callable[..., Any]]:
+    def make(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+        def step(batch: Any) -> torch.Tensor:
+            opt.zero_grad(set_to_none=set_to_none)
+            loss = _loss(model, batch)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    return make
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("at_calls", [{0}, {2}, {1, 3}])
+def test_zero_grad_at_the_end_of_the_step_is_exact_after_an_oom(
+    set_to_none: bool, kind: str, fault: str, at_calls: set[int]
+) -> None:
+    """The most common loop shape. An OOM in backward on a call that ran whole, after some
+    gradients reached ``.grad``, used to keep that partial gradient and add the split's whole
+    one to it (params off by 1.2e-1 with SGD)."""
+    truth = _train(_zero_at_end(set_to_none), kind, None, set())
+    _assert_same(_train(_zero_at_end(set_to_none), kind, fault, at_calls), truth)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("at_calls", [{0}, {2}, {1, 3}])
+def test_zero_grad_at_the_start_of_the_step_is_exact_after_an_oom(
+    set_to_none: bool, fault: str, at_calls: set[int]
+) -> None:
+    """``zero_grad(set_to_none=False)`` at the start zeroes the gradients the last call left in
+    place: the same as dropping them, so it is exact (it used to be refused on every split)."""
+    truth = _train(_zero_at_start(set_to_none), "adamw", None, set())
+    _assert_same(_train(_zero_at_start(set_to_none), "adamw", fault, at_calls), truth)
+
+
+def test_gradients_that_were_none_are_none_after_a_failed_attempt() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[list[bool]] = []
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: Any) -> None:
+        seen.append([p.grad is None for p in model.parameters()])
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(_data(0))
+    batch = _data(1)
+    with _faults()["backward after gradients landed"]() as fault:
+        step(batch)
+    assert fault.fired == 1
+    # call 0, the whole batch, then its two pieces: each began with no gradient at all
+    assert len(seen) == 4
+    assert all(all(nones) for nones in seen), seen
+
+
+# Threads and torch's entry points -------------------------------------------------------------
+
+
+def _accumulating(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+    """Steps the optimizer on every second call: gradients are carried across calls."""
+
+    def step(batch: Any, call: int) -> torch.Tensor:
+        loss = _loss(model, batch) / 2
+        loss.backward()
+        if call % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def _thread_run(seed: int, model: nn.Module, guarded: bool, oom_at: int | None,
+                out: dict[int, Any], barrier: threading.Barrier | None) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    step = _accumulating(model, opt)
+    run = retry_on_oom(optimizer=opt)(step) if guarded else step
+    try:
+        for call in range(8):
+            if barrier is not None:
+                barrier.wait(timeout=30)
+            batch = _data(call + seed)
+            if call == oom_at:
+                with inject_oom(phase="backward", at_op=3):
+                    run(batch, call)
+            else:
+                run(batch, call)
+        out[seed] = model
+    except BaseException as error:  # (reported by the test)
+        out[seed] = error
+
+
+@pytest.mark.parametrize("oom", [False, True])
+def test_two_threads_with_their_own_steps_are_independent_and_exact(oom: bool) -> None:
+    """Two training loops in two threads, each carrying gradients across calls: with one
+    replacement of torch.autograd.backward shared by the process, each thread's backward went
+    through the other's (params off by 1.8e-1 with no OOM at all)."""
+    truth: dict[int, Any] = {}
+    for seed in (1, 2):
+        _thread_run(seed, _model(seed), False, None, truth, None)
+    got: dict[int, Any] = {}
+    barrier = threading.Barrier(2)
+    threads = [  # (models made here: torch's default generator is the process's)
+        threading.Thread(target=_thread_run, args=(
+            seed, _model(seed), True, 3 if oom and seed == 1 else None, got, barrier))
+        for seed in (1, 2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for seed in (1, 2):
+        assert isinstance(got[seed], nn.Module), got[seed]
+        _assert_same(got[seed], truth[seed])
+    assert _patches.originals() == ORIGINALS
+
+
+ORIGINALS = _patches.originals()
+
+
+def _split_step(model: nn.Module, opt: torch.optim.Optimizer, fail: str) -> Callable[..., Any]:
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+
+    def step(batch: Any) -> torch.Tensor:
+        loss = _loss(model, batch)
+        scaler.scale(loss).backward()
+        if fail == "error":
+            raise ValueError("the step's own error")
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        if fail == "refusal":
+            sched.step()  # a scheduler not given: refused in an early piece
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize("fail", ["none", "refusal", "error"])
+@pytest.mark.parametrize("carried", [False, True])
+def test_torch_entry_points_are_torch_s_own_after_every_call(fail: str, carried: bool) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = retry_on_oom(optimizer=opt)(_split_step(model, opt, fail))
+    for call in range(3):
+        if carried:  # (gradients left by the caller: the fast path keeps them apart)
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        batch = _data(call)
+        try:
+            if call == 1:
+                with inject_oom(batch_over=4):
+                    step(batch)
+            else:
+                step(batch)
+        except (AutobatchError, ValueError) as error:
+            raised: BaseException | None = error
+        else:
+            raised = None
+        expected = fail == "error" or (fail == "refusal" and call >= 1)  # (split from call 1 on)
+        assert (raised is not None) == expected, (call, raised)
+        assert _patches.originals() == ORIGINALS, call
+
+
+def test_torch_entry_points_are_torch_s_own_while_another_thread_s_step_runs() -> None:
+    """A plain step on the fast path replaces nothing: another thread sees torch's own."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inside, go_on = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: Any, wait: bool) -> None:
+        loss = _loss(model, batch)
+        if wait:
+            inside.set()
+            go_on.wait(timeout=30)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(_data(0), False)  # (the first call, watched)
+    thread = threading.Thread(target=step, args=(_data(1), True))
+    thread.start()
+    assert inside.wait(timeout=30)
+    seen.append(_patches.originals() == ORIGINALS)
+    go_on.set()
+    thread.join(timeout=30)
+    assert seen == [True]
