@@ -9,6 +9,7 @@ after some gradients landed in ``.grad``, and in the optimizer's first step.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -319,3 +320,24 @@ def test_torch_entry_points_are_torch_s_own_while_another_thread_s_step_runs() -
     go_on.set()
     thread.join(timeout=30)
     assert seen == [True]
+
+
+def test_a_piece_smaller_than_batchnorm_accepts_names_the_module_and_min_batch() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    @retry_on_oom(optimizer=opt, model=model)
+    def step(batch: Any) -> None:
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    batch = _data(0, n=3)
+    with warnings.catch_warnings(), inject_oom(batch_over=2), \
+            pytest.raises(AutobatchError, match=r"Sequential\.1 \(BatchNorm1d\).*min_batch=2"):
+        warnings.simplefilter("ignore")  # (the warning that BatchNorm runs in micro-batches)
+        step(batch)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)

@@ -32,6 +32,7 @@ from autobatch._recovery._arguments import (
     _count_items,
     _modules_of,
     describe_params,
+    piece_too_small,
     slice_rows,
     warn_batchnorm,
     warn_tuples,
@@ -491,6 +492,11 @@ class _Engine:
                     if failure is None:
                         if coord is not None:
                             coord.finish(_distributed.FAILED)
+                        small = piece_too_small(
+                            exc, self.name, n, self.known.modules, self.options.min_batch
+                        ) if n < total else None
+                        if small is not None:
+                            raise small from exc
                         raise
                 finally:
                     if session is not None:
