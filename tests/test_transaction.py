@@ -341,3 +341,47 @@ def test_a_piece_smaller_than_batchnorm_accepts_names_the_module_and_min_batch()
         step(batch)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", ["clipping", "first optimizer step"])
+@pytest.mark.parametrize("given", [False, True])
+def test_a_grad_scaler_is_reset_after_a_failed_attempt_with_or_without_scaler(
+    where: str, given: bool
+) -> None:
+    """An OOM after ``scaler.unscale_(opt)`` (in clipping, or in the optimizer's first step)
+    used to crash the retry with "unscale_() has already been called" unless ``scaler=`` was
+    given."""
+
+    def train(guard: bool) -> nn.Module:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+        fail = {"call": 2 if where == "clipping" else 0}
+
+        def step(batch: Any) -> torch.Tensor:
+            loss = _loss(model, batch)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if guard and where == "clipping" and fail["call"] == calls[0] and len(batch[0]) == 8:
+                fail["call"] = -1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss.detach()
+
+        run = retry_on_oom(optimizer=opt, **({"scaler": scaler} if given else {}))(step) \
+            if guard else step
+        calls = [0]
+        for call in range(4):
+            calls[0] = call
+            batch = _data(call)
+            if guard and where == "first optimizer step" and call == 0:
+                with inject_oom(phase="optimizer", at_op=1):
+                    run(batch)
+            else:
+                run(batch)
+        return model
+
+    _assert_same(train(True), train(False))

@@ -415,6 +415,16 @@ class _Accumulation:
             patch.undo()
 
 
+def scalers_of(fn: Any) -> list[Any]:
+    """The GradScalers a step refers to (its closure, globals, ``self``, and what they hold),
+    found after an OOM so that a scaler not given as ``scaler=`` is reset too."""
+    found: dict[int, Any] = {}
+    for _, value in _rules.reachable(fn):
+        if isinstance(value, torch.amp.GradScaler):
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
 def _reset_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Drop the GradScaler's per-optimizer stage (after ``unscale_`` in a failed attempt).
 

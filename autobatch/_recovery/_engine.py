@@ -26,7 +26,7 @@ from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_name
 from autobatch._measure import PeakKeeping, _PhasePeaks
 from autobatch._oom import is_oom_error, oom_kind
-from autobatch._recovery._accumulate import _Accumulation, _reset_scaler
+from autobatch._recovery._accumulate import _Accumulation, _reset_scaler, scalers_of
 from autobatch._recovery._arguments import (
     _batch_parameter,
     _count_items,
@@ -624,12 +624,14 @@ class _Engine:
                     session.discard()
                 if self.ledger.is_open:
                     self.ledger.undo_piece()
-        for scaler in session.scalers_seen if session is not None else ():
+        scalers = {id(s): s for s in (
+            *(session.scalers_seen if session is not None else ()),
+            *(() if self.options.scaler is None else (self.options.scaler,)),
+            *scalers_of(self.fn),  # (one the step uses without scaler=)
+        )}
+        for scaler in scalers.values():
             for optimizer in self.optimizers:
                 _reset_scaler(scaler, optimizer)
-        if self.options.scaler is not None:
-            for optimizer in self.optimizers:
-                _reset_scaler(self.options.scaler, optimizer)
         hint_fragmentation(self.name, failure.unallocated, failure.kind)
         free_memory(memory.device)  # the cache emptied too, before smaller pieces run
         try:

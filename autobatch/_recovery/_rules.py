@@ -346,11 +346,11 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def _search(fn: Any, key: int, depth: int = 3) -> str | None:
-    """A name for the tensor with storage ``key`` among what ``fn`` refers to: its bound
-    ``self``, closure variables and globals, through attributes, dicts and lists."""
+def reachable(fn: Any, depth: int = 3) -> Iterator[tuple[str, Any]]:
+    """Every value ``fn`` refers to, with a name for it: its bound ``self``, closure variables
+    and globals, and through attributes, dicts and lists what they hold (``depth`` levels)."""
     if fn is None:
-        return None
+        return
     fn = inspect.unwrap(fn)
     roots: list[tuple[str, Any]] = []
     owner = getattr(fn, "__self__", None)
@@ -373,16 +373,11 @@ def _search(fn: Any, key: int, depth: int = 3) -> str | None:
         if id(value) in seen:
             continue
         seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            if _key(value) == key:
-                return name
+        yield name, value
+        if left <= 0 or isinstance(value, (str, bytes, int, float, type, torch.Tensor)) or (
+            callable(value) and not isinstance(value, nn.Module)
+        ):
             continue
-        if left <= 0 or isinstance(value, (str, bytes, int, float, type)) or (callable(value) and not isinstance(value, nn.Module)):
-            continue
-        if isinstance(value, nn.Module):
-            for sub, t in (*value.named_parameters(), *value.named_buffers()):
-                if t is not None and _key(t) == key:
-                    return f"{name}.{sub}"
         items: Iterable[tuple[str, Any]]
         if isinstance(value, dict):
             items = ((f"{name}[{k!r}]", v) for k, v in list(value.items())[:256])
@@ -394,6 +389,18 @@ def _search(fn: Any, key: int, depth: int = 3) -> str | None:
                 continue
             items = ((f"{name}.{k}", v) for k, v in list(attributes.items())[:256])
         stack.extend((n, v, left - 1) for n, v in items)
+
+
+def _search(fn: Any, key: int, depth: int = 3) -> str | None:
+    """A name for the tensor with storage ``key`` among what ``fn`` refers to."""
+    for name, value in reachable(fn, depth):
+        if isinstance(value, torch.Tensor):
+            if _key(value) == key:
+                return name
+        elif isinstance(value, nn.Module):
+            for sub, t in (*value.named_parameters(), *value.named_buffers()):
+                if t is not None and _key(t) == key:
+                    return f"{name}.{sub}"
     return None
 
 
