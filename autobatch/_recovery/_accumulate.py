@@ -415,14 +415,23 @@ class _Accumulation:
             patch.undo()
 
 
-def scalers_of(fn: Any) -> list[Any]:
-    """The GradScalers a step refers to (its closure, globals, ``self``, and what they hold),
-    found after an OOM so that a scaler not given as ``scaler=`` is reset too."""
-    found: dict[int, Any] = {}
+def reset_scalers(
+    fn: Any, optimizers: Iterable[torch.optim.Optimizer], given: Any,
+    session: _Accumulation | None,
+) -> None:
+    """After a failed attempt: every GradScaler the step used forgets what it did for the
+    step's optimizers (``unscale_``): the one given, those a split batch saw, and those the
+    step refers to (its closure, globals, ``self``, and what they hold), so that a scaler not
+    given as ``scaler=`` is reset too."""
+    found: dict[int, Any] = {id(s): s for s in (
+        *(session.scalers_seen if session is not None else ()), *(() if given is None else (given,))
+    )}
     for _, value in _rules.reachable(fn):
         if isinstance(value, torch.amp.GradScaler):
             found.setdefault(id(value), value)
-    return list(found.values())
+    for scaler in found.values():
+        for optimizer in optimizers:
+            _reset_scaler(scaler, optimizer)
 
 
 def _reset_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -95,25 +95,26 @@ def warn_batchnorm(name: str, modules: list[nn.Module], warned: set[str]) -> Non
         )
 
 
-def piece_too_small(
-    exc: BaseException, name: str, n: int, modules: list[nn.Module], min_batch: int
-) -> AutobatchError | None:
-    """The error for a piece autobatch cut smaller than a module of the step accepts
-    (BatchNorm in training needs more than one value per channel), or ``None``."""
-    if not (isinstance(exc, ValueError) and "more than 1 value per channel" in str(exc)):
-        return None
+def piece_too_small(exc: BaseException, engine: Any, n: int, total: int) -> None:
+    """Raise the error for a piece autobatch cut smaller than a module of the step accepts
+    (BatchNorm in training needs more than one value per channel), if ``exc`` says so."""
+    if n >= total or not (
+        isinstance(exc, ValueError) and "more than 1 value per channel" in str(exc)
+    ):
+        return
+    name, modules, min_batch = engine.name, engine.known.modules, engine.options.min_batch
     norms = [
         (f"{type(top).__name__}.{path}" if path else type(top).__name__, m)
         for top in modules for path, m in top.named_modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
     ]
     what = f"{norms[0][0]} ({type(norms[0][1]).__name__})" if norms else "a BatchNorm layer"
-    return AutobatchError(
+    raise AutobatchError(
         f"{name} ran out of memory and autobatch cut its batch into micro-batches of {n} "
         f"row(s), which {what} in training mode cannot take (it needs more than one value "
         f"per channel). Pass min_batch=2 (or more): retry_on_oom(..., min_batch=2); with "
         f"min_batch={min_batch} the pieces may be this small"
-    )
+    ) from exc
 
 
 def warn_tuples(name: str, batch: Batch, warned: set[str]) -> None:

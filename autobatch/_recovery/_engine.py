@@ -26,7 +26,7 @@ from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_name
 from autobatch._measure import PeakKeeping, _PhasePeaks
 from autobatch._oom import is_oom_error, oom_kind
-from autobatch._recovery._accumulate import _Accumulation, _reset_scaler, scalers_of
+from autobatch._recovery._accumulate import _Accumulation, reset_scalers
 from autobatch._recovery._arguments import (
     _batch_parameter,
     _count_items,
@@ -492,11 +492,7 @@ class _Engine:
                     if failure is None:
                         if coord is not None:
                             coord.finish(_distributed.FAILED)
-                        small = piece_too_small(
-                            exc, self.name, n, self.known.modules, self.options.min_batch
-                        ) if n < total else None
-                        if small is not None:
-                            raise small from exc
+                        piece_too_small(exc, self, n, total)
                         raise
                 finally:
                     if session is not None:
@@ -624,14 +620,7 @@ class _Engine:
                     session.discard()
                 if self.ledger.is_open:
                     self.ledger.undo_piece()
-        scalers = {id(s): s for s in (
-            *(session.scalers_seen if session is not None else ()),
-            *(() if self.options.scaler is None else (self.options.scaler,)),
-            *scalers_of(self.fn),  # (one the step uses without scaler=)
-        )}
-        for scaler in scalers.values():
-            for optimizer in self.optimizers:
-                _reset_scaler(scaler, optimizer)
+        reset_scalers(self.fn, self.optimizers, self.options.scaler, session)
         hint_fragmentation(self.name, failure.unallocated, failure.kind)
         free_memory(memory.device)  # the cache emptied too, before smaller pieces run
         try:
