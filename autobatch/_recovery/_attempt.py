@@ -15,13 +15,20 @@ import contextvars
 import functools
 import operator
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.hooks import RemovableHandle
 
 from autobatch._errors import AutobatchError
 from autobatch._oom import MAX_CHAIN_DEPTH
@@ -89,6 +96,41 @@ def _is_compiled(module: nn.Module) -> bool:
     )
 
 
+# Structure: what was registered since ----------------------------------------------------------
+
+_EPOCH = [0]
+_registration_hooks: list[RemovableHandle] = []
+#: The modules of every step as its last watched call saw them (a registration into one of
+#: them changes what its step may write; a module made inside a step, a loss, does not).
+_WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _registered(module: nn.Module, *_: Any) -> None:
+    if module in _WATCHED:
+        _EPOCH[0] += 1
+
+
+def watch_structure(modules: Iterable[nn.Module]) -> None:
+    """Count registrations into these modules and their submodules from now on."""
+    for top in modules:
+        for module in top.modules():
+            _WATCHED.add(module)
+
+
+def structure_epoch() -> int:
+    """A count of the modules, parameters and buffers registered into the steps' modules
+    (``register_buffer``, a buffer or submodule assigned, a new head): a step whose modules
+    changed since its last watched call is watched again (state first written on a later
+    call). Counted by torch's global registration hooks, installed once."""
+    if not _registration_hooks:
+        _registration_hooks.extend((
+            register_module_buffer_registration_hook(_registered),
+            register_module_module_registration_hook(_registered),
+            register_module_parameter_registration_hook(_registered),
+        ))
+    return _EPOCH[0]
+
+
 class _Known:
     """What a step is known to touch: the modules it runs (``model=``, modules its code names,
     modules seen running in watched attempts) and their parameters, the optimizers'
@@ -134,6 +176,16 @@ class _Known:
         if added:
             self.params = self.params + added  # a new list: attempts keep the one they began with
             self.param_ids.update(id(p) for p in added)
+
+    def refresh(self) -> None:
+        """Look at the known modules again (a submodule, a metric, added since), and learn
+        anew what the step changes (a replaced buffer is no longer copied)."""
+        self.changing, self.changing_keys, self.shadows = [], set(), []
+        for module in self.modules:
+            self._add_params(module.parameters())
+            self.compiled = self.compiled or _is_compiled(module)
+            self.metrics += [m for m in module.modules() if _rules._is_metric(m)
+                             and all(m is not k for k in self.metrics)]
 
     def add_module(self, module: nn.Module) -> None:
         if id(module) in self.module_ids:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Protocol, cast
@@ -44,6 +45,8 @@ from autobatch._recovery._attempt import (
     _Known,
     _optimizer_in_traceback,
     _strip_tracebacks,
+    structure_epoch,
+    watch_structure,
 )
 from autobatch._recovery._ledger import Ledger, see_optimizer_steps
 from autobatch._recovery._options import Policy, RecoveryOptions
@@ -114,6 +117,7 @@ class _Engine:
         # Gradients only (no optimizer given): the caller steps, and may accumulate over calls.
         self.keeps_gradients = self.policy == "accumulate" and not self.optimizers
         self.watch = _Watch()  # the caching allocator's retries, step by step
+        self.learned = -1  # the structure epoch of the last watched call
         see_optimizer_steps()
 
     def coordinated(self) -> _Coordination | None:
@@ -210,9 +214,6 @@ class _Engine:
             return p.device
         return None
 
-    def _describe(self, params: list[torch.Tensor]) -> str:
-        return describe_params(params, self.named, self.known.modules)
-
     # Running ----------------------------------------------------------------------------------
 
     def _capture(self, exc: BaseException) -> _Failure | None:
@@ -231,11 +232,12 @@ class _Engine:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call of the step: whole on the fast path until memory runs short."""
-        if self.calls == 0 or self.sizes.states or (
+        if self.calls == 0 or self.sizes.states or self.learned != structure_epoch() or (
             self.options.sync_ranks and self.coordinated() is not None
         ):
-            # the first call (watched, to learn what the step changes), memory ran short
-            # before (pieces, measured), or every step is agreed by all ranks
+            # the first call, or the first since something was registered into the step's
+            # modules (watched, to learn what it changes), memory ran short before (pieces,
+            # measured), or every step is agreed by all ranks
             return self.call(args, kwargs)
         # The fast path, paid by every step that does not run out of memory, written out: an
         # attempt (optimizer steps that begin, known changes copied), a try, the retries.
@@ -429,9 +431,12 @@ class _Engine:
         self._current = batch  # for the log of a recovery; dropped when the call ends
         coord = self.coordinated()
         ledger = self.ledger
-        learning = self.calls == 0
+        learning = self.calls == 0 or self.learned != structure_epoch()
         if learning:
             self._discover(args)
+            self.known.refresh()
+            watch_structure(self.known.modules)
+            self.learned = structure_epoch()
         pieces: list[tuple[int, Any, float]] = []
         done = 0
         stepped = False  # an optimizer of the step's own stepped
@@ -591,7 +596,8 @@ class _Engine:
             if coord is None:  # (ranks that shard a model with FSDP2 are never independent)
                 _refuse_independent_shards(self.name, self.known.modules, failure)
             if whole is not None:
-                whole.check(failure, self.optimized_ids, self._describe)
+                whole.check(failure, self.optimized_ids, functools.partial(
+                    describe_params, named=self.named, modules=self.known.modules))
             else:
                 self.ledger.check_failure(failure, fresh or [])
             if watched:

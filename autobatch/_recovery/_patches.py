@@ -97,9 +97,15 @@ class _Group:
 # torch.autograd.backward ----------------------------------------------------------------------
 
 
+def _ours(standin: Any) -> Any:
+    """Mark a stand-in as autobatch's (see :func:`replaced`)."""
+    standin.autobatch_standin = True
+    return standin
+
+
 def _install_backward() -> list[Patch]:
     real = torch.autograd.backward
-    return [Patch(torch.autograd, "backward", functools.partial(_backward, real))]
+    return [Patch(torch.autograd, "backward", _ours(functools.partial(_backward, real)))]
 
 
 def _backward(real: Callable[..., Any], tensors: Any, *args: Any, **kwargs: Any) -> Any:
@@ -150,15 +156,15 @@ def _subclasses(cls: type) -> list[type]:
 def _install_split() -> list[Patch]:
     scaler = torch.amp.GradScaler
     patches = [
-        Patch(scaler, name, _scaler_method(name, getattr(scaler, name)))
+        Patch(scaler, name, _ours(_scaler_method(name, getattr(scaler, name))))
         for name in ("unscale_", "step", "update")
     ]
     for klass in _subclasses(_lr_scheduler.LRScheduler):
         if "step" in vars(klass):
-            patches.append(Patch(klass, "step", _scheduler_step(vars(klass)["step"])))
+            patches.append(Patch(klass, "step", _ours(_scheduler_step(vars(klass)["step"]))))
     grouping = getattr(_clip_grad, "_group_tensors_by_device_and_dtype")  # noqa: B009
     patches.append(Patch(_clip_grad, "_group_tensors_by_device_and_dtype",
-                         functools.partial(_group_gradients, grouping)))
+                         _ours(functools.partial(_group_gradients, grouping))))
     patches.append(Patch(torch.Tensor, "grad", _GRAD))
     return patches
 
@@ -244,9 +250,8 @@ def _del_grad(tensor: torch.Tensor) -> None:
 _GRAD = property(_get_grad, _set_grad, _del_grad, _TENSOR_GRAD.__doc__)
 
 
-def originals() -> dict[str, Any]:
-    """Every entry point this module may replace, as it is now (for tests: after a call, each
-    is torch's own object again)."""
+def replaced() -> list[str]:
+    """The entry points replaced by autobatch now (for tests: none once no step needs them)."""
     found: dict[str, Any] = {
         "torch.autograd.backward": torch.autograd.backward,
         "torch.Tensor.grad": vars(torch.Tensor).get("grad"),
@@ -257,4 +262,7 @@ def originals() -> dict[str, Any]:
         found[f"GradScaler.{name}"] = vars(torch.amp.GradScaler).get(name)
     for klass in _subclasses(_lr_scheduler.LRScheduler):
         found[f"{klass.__qualname__}.step"] = vars(klass).get("step")
-    return found
+    return [
+        name for name, value in found.items()
+        if value is _GRAD or getattr(value, "autobatch_standin", False)
+    ]
