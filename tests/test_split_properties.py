@@ -5,7 +5,8 @@ Hypothesis draws a step from parts (clipping by norm and by value, a scheduler i
 step, given or not, or outside it; an EMA in a closure, in ``self`` or in a dict; a metric;
 a linear or non-linear gradient hook; one to three optimizers, or one fused into backward;
 ``torch.autograd.grad``; a loss averaged over items; a GradScaler, given or not; BatchNorm;
-dropout; accumulation across calls; a gradients-only function) and an OOM schedule of
+dropout; accumulation across calls; a gradients-only function; gradients zeroed at the start
+or at the end of the step, with either ``set_to_none``) and an OOM schedule of
 :func:`autobatch.testing.check_split` (in forward; in backward after a fold, in an early piece
 or the last; for the whole batch on the fast path; in the optimizer's first step). Each run
 must be exact, or refused with an :class:`~autobatch.AutobatchError` that left every value as
@@ -46,6 +47,8 @@ class Parts:
     dropout: bool
     accumulate: bool  # the optimizer steps on every second call
     schedule: str
+    zero: str = "start"  # where the step zeroes its gradients: "start", "end", with "_keep"
+    # (set_to_none=False) or without
 
     def refused(self) -> bool:
         """Whether autobatch must refuse this step (it cannot replay it exactly)."""
@@ -84,6 +87,7 @@ def parts(draw: Any) -> Parts:
         dropout=draw(st.booleans()),
         accumulate=not fused and optimizers > 0 and draw(st.booleans()),
         schedule=schedule,
+        zero=draw(st.sampled_from(["start", "start_keep", "end", "end_keep"])),
     )
 
 
@@ -162,9 +166,10 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
 
     def step(self: Any, batch: tuple[torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:
         x, y, stepping = batch  # (the accumulation window ends: one value per batch)
-        if not p.accumulate:
+        keep = {"set_to_none": not p.zero.endswith("_keep")}
+        if not p.accumulate and p.zero.startswith("start"):
             for opt in optimizers:
-                opt.zero_grad()
+                opt.zero_grad(**keep)
         out = model(x)
         losses = nn.functional.cross_entropy(out, y, ignore_index=-100, reduction="none")
         loss = losses.sum() / (y != -100).sum().clamp(min=1) if p.items else losses.mean()
@@ -195,9 +200,9 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
                 opt.step()
         if scaler is not None:
             scaler.update()
-        if p.accumulate:
+        if p.accumulate or p.zero.startswith("end"):
             for opt in optimizers:
-                opt.zero_grad()
+                opt.zero_grad(**keep)
         if scheduler is not None and p.scheduler in ("given", "not given"):
             scheduler.step()
         if p.ema in ("closure", "self"):

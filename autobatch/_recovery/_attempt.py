@@ -263,7 +263,7 @@ class _Host(Protocol):
 
 def _carrying_backward(
     real: Callable[..., Any], tensors: Any, *args: Any,
-    carried: list[tuple[torch.Tensor, torch.Tensor]], **kwargs: Any,
+    carried: list[tuple[torch.Tensor, weakref.ref[torch.Tensor]]], **kwargs: Any,
 ) -> Any:
     """``torch.autograd.backward`` for a step that adds to gradients carried from earlier
     calls: the carried ones are set aside while backward runs and the new ones added to them
@@ -271,7 +271,7 @@ def _carrying_backward(
     of memory leaves them untouched."""
     if torch._C._current_autograd_node() is not None:
         return real(tensors, *args, **kwargs)
-    aside = [(p, g) for p, g in carried if p.grad is g]
+    aside = [(p, g) for p, ref in carried if (g := ref()) is not None and p.grad is g]
     for p, _ in aside:
         p.grad = None
     try:
@@ -316,7 +316,9 @@ class _Attempt:
         "params", "patch", "shadows", "stepped", "token", "versions", "versions_carried",
     )
 
-    def __init__(self, engine: _Host, batch: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, engine: _Host, batch: list[torch.Tensor] | None = None, *, carry: bool = True
+    ) -> None:
         # On every step of the fast path: what a step not known to change anything (the
         # common case) needs is set in a few assignments, the rest only where it is known.
         known = engine.known
@@ -326,7 +328,7 @@ class _Attempt:
         self.firsts: dict[int, list[tuple[torch.Tensor, int]]] | None = None
         self.patch: Any = None
         self.token: contextvars.Token[_Attempt | None] | None = None
-        self.began_with(known.params)
+        self.began_with(known.params, carry=carry)
         #: made for a step known to change nothing: nothing copied (the engine may reuse it)
         self.light = known.plain
         if self.light:
@@ -340,17 +342,26 @@ class _Attempt:
             [(t, t._version) for t in batch] if batch is not None and known.writes_batch else None
         )
 
-    def began_with(self, params: list[torch.Tensor]) -> None:
-        """Note the gradients as the attempt begins (a failed one puts them back: ``None``
-        stays ``None``); those already there are carried, kept apart from its backward."""
+    def began_with(self, params: list[torch.Tensor], *, carry: bool = True) -> None:
+        """Note the gradients as the attempt begins, weakly (a step that zeroes them first
+        frees them, as it would unguarded): a failed attempt puts them back, and ``None``
+        stays ``None``. Those already there are carried, kept apart from its backward
+        (``carry``; not under a process group, whose backward reduces what ``.grad`` holds,
+        unless the step is known to carry gradients across calls)."""
         self.params = params
-        grads = self.grads = [p.grad for p in params]
+        grads = [p.grad for p in params]
         if grads.count(None) == len(grads):  # (the common case: zeroed with set_to_none)
-            self.carried = _NOTHING
-            self.versions_carried = _NOTHING
+            self.grads: list[weakref.ref[torch.Tensor] | None] = grads  # type: ignore[assignment]
+            self.carried = self.versions_carried = _NOTHING
             return
-        self.carried = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
-        self.versions_carried = [g._version for _, g in self.carried]
+        self.grads = [None if g is None else weakref.ref(g) for g in grads]
+        if not (carry or self.engine.known.carries):
+            self.carried = self.versions_carried = _NOTHING
+            return
+        self.carried = [
+            (p, weakref.ref(g)) for p, g in zip(params, grads, strict=True) if g is not None
+        ]
+        self.versions_carried = [g._version for g in grads if g is not None]
 
     def __enter__(self) -> _Attempt:
         self.token = _ATTEMPT.set(self)
@@ -404,7 +415,8 @@ class _Attempt:
         """Put the known-changing state back as it was when the attempt began, and every
         gradient as it was (the failed attempt's own are dropped; ``None`` stays ``None``)."""
         _Known.restore(self.shadows)
-        for p, grad in zip(self.params, self.grads, strict=True):
+        for p, ref in zip(self.params, self.grads, strict=True):
+            grad = None if ref is None else ref()  # (None: the step dropped it itself)
             if p.grad is not grad:
                 p.grad = grad
 
@@ -430,8 +442,9 @@ class _Attempt:
                 "Change a copy of the batch (x = x / 255 instead of x /= 255), or do it before "
                 "the decorated step"
             ) from failure.exc
-        for (_, grad), version in zip(self.carried, self.versions_carried, strict=True):
-            if grad._version != version and not _zeroed(grad):
+        for (_, ref), version in zip(self.carried, self.versions_carried, strict=True):
+            grad = ref()
+            if grad is not None and grad._version != version and not _zeroed(grad):
                 raise AutobatchError(
                     f"{name} ran out of memory ({kind}) after it had added to gradients "
                     "carried from earlier calls outside torch.autograd.backward (or in a second "

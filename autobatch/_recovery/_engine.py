@@ -342,7 +342,7 @@ class _Engine:
         (``failure``: it ran out of memory on the fast path already)."""
         if failure is None:
             try:
-                with _Attempt(self):
+                with _Attempt(self, carry=self.coordinated() is None):
                     result = self.fn(*args, **kwargs)
             except BaseException as exc:
                 failure = self._capture(exc)
@@ -474,7 +474,7 @@ class _Engine:
                 if session is not None:
                     session.begin_piece(weight, last)
                 piece_args, piece_kwargs = self._with_batch(args, kwargs, piece)
-                whole = None if splits else _Attempt(self)  # (a shrink piece is a whole call)
+                whole = None if splits else _Attempt(self, carry=coord is None)  # (shrink: whole)
                 early = session is not None and not last
                 fresh = [not o.state for o in self.optimizers]
                 phases = _PhasePeaks(memory)  # peaks outside and inside optimizer.step
