@@ -264,5 +264,12 @@ def test_a_composed_step_is_exact_or_refused_with_the_state_unchanged(p: Parts, 
             "updated the parameters" in schedule.refusal
         ):
             continue  # documented: parameters that stepped in backward keep their update
+        if "zeroed in place" in schedule.refusal and all(
+            d.what.startswith("gradient ") for d in schedule.differences
+        ):
+            # documented: gradients the step zeroed in place on the fast path stay zero
+            assert p.zero == "start_keep", (p, str(report))
+            assert schedule.name.startswith("fast"), (p, str(report))
+            continue
         assert not schedule.differences, (p, "refused but the state changed", str(report))
         assert p.refused() or "ran out of memory" in schedule.refusal, (p, str(report))

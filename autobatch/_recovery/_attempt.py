@@ -313,7 +313,7 @@ class _Attempt:
 
     __slots__ = (
         "batch_versions", "carried", "engine", "firsts", "grads", "light", "ours_stepped",
-        "params", "patch", "shadows", "stepped", "token", "versions", "versions_carried",
+        "params", "patch", "shadows", "stepped", "token", "versions", "versions_carried", "zeroed",
     )
 
     def __init__(
@@ -328,6 +328,7 @@ class _Attempt:
         self.firsts: dict[int, list[tuple[torch.Tensor, int]]] | None = None
         self.patch: Any = None
         self.token: contextvars.Token[_Attempt | None] | None = None
+        self.zeroed = False  # it zeroed carried gradients in place (their values are gone)
         self.began_with(known.params, carry=carry)
         #: made for a step known to change nothing: nothing copied (the engine may reuse it)
         self.light = known.plain
@@ -420,6 +421,14 @@ class _Attempt:
             if p.grad is not grad:
                 p.grad = grad
 
+    def explain(self, error: BaseException) -> None:
+        """Say in a refusal of the batch this attempt began what it could not put back."""
+        if self.zeroed and isinstance(error, AutobatchError):
+            error.args = (  # (their old values were never copied: the fast path is cheap)
+                f"{error.args[0]} The gradients the step zeroed in place (zero_grad("
+                "set_to_none=False)) before the whole batch ran out of memory stay zero.",
+                *error.args[1:])
+
     def check(
         self,
         failure: _Failure,
@@ -444,13 +453,17 @@ class _Attempt:
             ) from failure.exc
         for (_, ref), version in zip(self.carried, self.versions_carried, strict=True):
             grad = ref()
-            if grad is not None and grad._version != version and not _zeroed(grad):
-                raise AutobatchError(
-                    f"{name} ran out of memory ({kind}) after it had added to gradients "
-                    "carried from earlier calls outside torch.autograd.backward (or in a second "
-                    "backward of the same call): their sum cannot be taken apart again, so the "
-                    "batch is not retried. Restore from a checkpoint"
-                ) from failure.exc
+            if grad is None or grad._version == version:
+                continue
+            if _zeroed(grad):
+                self.zeroed = True
+                continue
+            raise AutobatchError(
+                f"{name} ran out of memory ({kind}) after it had added to gradients "
+                "carried from earlier calls outside torch.autograd.backward (or in a second "
+                "backward of the same call): their sum cannot be taken apart again, so the "
+                "batch is not retried. Restore from a checkpoint"
+            ) from failure.exc
         ours = self.engine.optimizers
         if inside is not None and all(inside is not o for o in ours):
             raise AutobatchError(

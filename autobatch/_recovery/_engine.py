@@ -281,10 +281,7 @@ class _Engine:
 
     def _note_carried(self) -> None:
         """A call without an optimizer step of its own left gradients: the next may add to them."""
-        for p in self.known.params:
-            if p.grad is not None:
-                self.known.carries = True
-                return
+        self.known.carries = self.known.carries or any(p.grad is not None for p in self.known.params)
 
     def _batch_tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The batch's tensors (for a step known to write its batch in place)."""
@@ -550,6 +547,8 @@ class _Engine:
                 if session is not None:
                     session.restart()
                 ledger.undo_batch()
+            if attempt is not None:
+                attempt.explain(error)
             raise
         finally:
             self._current = None
