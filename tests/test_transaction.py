@@ -449,3 +449,44 @@ def test_state_first_written_on_a_later_call_is_put_back_after_a_fast_path_oom(
     # whole batch not at all (its statistics differ per micro-batch, as the warning says)
     tracked = got.head[1].num_batches_tracked, truth.head[1].num_batches_tracked
     assert int(tracked[0]) == int(tracked[1]) + 1, tracked
+
+
+class _Trainer:
+    """A step written as a method, keeping a running loss it starts after warm-up in a plain
+    attribute (no module registers it)."""
+
+    def __init__(self) -> None:
+        self.model = _model()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.running: torch.Tensor | None = None
+
+    def step(self, batch: Any) -> None:
+        loss = _loss(self.model, batch)
+        if self.running is not None:
+            self.running += loss.detach()  # (before backward: an OOM there follows it)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def test_state_outside_the_modules_first_written_later_is_refused_saying_it_may_stay_changed(
+) -> None:
+    """A running sum started after warm-up in a plain attribute: the fast path has no copy of
+    it, so after a whole-batch OOM that followed its update the retry is refused, naming it
+    and saying it may stay changed (it used to be refused with "nothing of it was kept"
+    while the tensor stayed changed); everything else is as before the call."""
+    trainer = _Trainer()
+    step = retry_on_oom(optimizer=trainer.opt)(trainer.step)
+    for call in range(2):  # warm-up
+        step(_data(call))
+    trainer.running = torch.zeros(())
+    step(_data(2))
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    batch = _data(3)
+    with _faults()["backward after gradients landed"](), pytest.raises(
+        AutobatchError, match=r"self\.running \(\(\) float64\).*may stay changed"
+    ):
+        step(batch)
+    for p, q in zip(trainer.model.parameters(), params, strict=True):
+        assert torch.equal(p, q)
+        assert p.grad is None

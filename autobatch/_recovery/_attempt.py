@@ -105,9 +105,13 @@ _registration_hooks: list[RemovableHandle] = []
 _WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def _registered(module: nn.Module, *_: Any) -> None:
-    if module in _WATCHED:
-        _EPOCH[0] += 1
+def _registered(module: nn.Module, name: str, value: Any) -> None:
+    if module not in _WATCHED:
+        return
+    for held in (module._buffers, module._modules, module._parameters):
+        if name in held and held[name] is value:
+            return  # (the same object again: ``self.count += 1`` on a buffer re-registers it)
+    _EPOCH[0] += 1
 
 
 def watch_structure(modules: Iterable[nn.Module]) -> None:
@@ -305,6 +309,11 @@ def _zeroed(grad: torch.Tensor) -> bool:
         return grad.layout == torch.strided and not bool(grad.any())
 
 
+def kept_by(attempt: _Attempt | None) -> set[int] | None:
+    """What a failed unwatched attempt copied (:meth:`_Attempt.kept`); ``None`` without one."""
+    return None if attempt is None else attempt.kept()
+
+
 class _Attempt:
     """One unwatched run of a step function (a whole batch): the optimizer steps that began,
     the parameters' version counters, the known-changing state copied before it, and, for a
@@ -421,11 +430,21 @@ class _Attempt:
             if p.grad is not grad:
                 p.grad = grad
 
+    def kept(self) -> set[int]:
+        """The storages of the state this attempt copied before it ran (put back after it
+        failed): what the ledger need not refuse when the batch runs again."""
+        known = self.engine.known
+        kept = {_rules._key(t) for t in known.changing} if self.shadows is not None else set()
+        if self.batch_versions is not None:
+            kept.update(_rules._key(t) for t, _ in self.batch_versions)
+        return kept
+
     def explain(self, error: BaseException) -> None:
         """Say in a refusal of the batch this attempt began what it could not put back."""
-        if self.zeroed and isinstance(error, AutobatchError):
+        if self.zeroed and isinstance(error, AutobatchError) and error.args:
+            message = str(error.args[0]).replace("nothing of it", "nothing else of it")
             error.args = (  # (their old values were never copied: the fast path is cheap)
-                f"{error.args[0]} The gradients the step zeroed in place (zero_grad("
+                f"{message} The gradients the step zeroed in place (zero_grad("
                 "set_to_none=False)) before the whole batch ran out of memory stay zero.",
                 *error.args[1:])
 

@@ -45,6 +45,7 @@ from autobatch._recovery._attempt import (
     _Known,
     _optimizer_in_traceback,
     _strip_tracebacks,
+    kept_by,
     structure_epoch,
     watch_structure,
 )
@@ -442,6 +443,7 @@ class _Engine:
         opened = False
         items: float | None = None
         session: _Accumulation | None = None
+        whole: _Attempt | None = None
         try:
             if failure is not None:  # the whole batch failed on the fast path
                 assert attempt is not None
@@ -462,7 +464,7 @@ class _Engine:
                 splits = n < total and self.policy == "accumulate"  # pieces of one step
                 watched = splits or learning or coord is not None
                 if watched and not opened:
-                    ledger.open(tensors(batch), split=splits)
+                    ledger.open(tensors(batch), split=splits, unwatched=kept_by(attempt))
                     opened = True
                 if n < total and session is None and self.policy == "accumulate":
                     session = self._accumulation()
@@ -547,8 +549,10 @@ class _Engine:
                 if session is not None:
                     session.restart()
                 ledger.undo_batch()
-            if attempt is not None:
-                attempt.explain(error)
+                self.known.learn(ledger.first_attempt_written())
+            for tried in (attempt, whole):  # (the batch's whole attempt, unwatched or not)
+                if tried is not None:
+                    tried.explain(error)
             raise
         finally:
             self._current = None
@@ -661,17 +665,13 @@ class _Engine:
                 + f" of {format_bytes(memory.capacity_bytes())}. Lower min_batch if allowed, "
                 "free memory held elsewhere, or use a smaller model, a lower precision or "
                 "activation checkpointing",
-                batch_size=failed,
-                needed_bytes=needed,
-                capacity_bytes=memory.capacity_bytes(),
+                batch_size=failed, needed_bytes=needed, capacity_bytes=memory.capacity_bytes(),
             ) from failure.exc
         self._size_changed(old, new, reason, observer)
 
     def _accumulation(self) -> _Accumulation:
         scalers = () if self.options.scaler is None else (self.options.scaler,)
-        return _Accumulation(
-            self.name, self.known.params, self.optimizers, scalers, self.schedulers
-        )
+        return _Accumulation(self.name, self.known.params, self.optimizers, scalers, self.schedulers)
 
     # For the guard (a front-end asks) ---------------------------------------------------------
 

@@ -72,8 +72,12 @@ from autobatch._recovery._rules import (
     first_step_retryable,
     leaves,
     refusal,
+    unseen_write,
     user_frame,
 )
+
+#: Kinds of state a failed unwatched attempt may have changed without a copy to put back.
+_UNSEEN_KINDS = frozenset({Kind.BUFFER, Kind.ADDITIVE, Kind.OTHER, Kind.BATCH})
 
 #: Ledgers watching an attempt now, by thread, innermost last.
 _WATCHING: dict[int, list[Ledger]] = {}
@@ -262,15 +266,21 @@ class Ledger:
         self.params: list[torch.Tensor] = []
         self.opaque: list[torch.Tensor] = []  # buffers of compiled modules
         self.adopted: list[torch.Tensor] = []  # parameters found outside the known modules
+        #: the batch's first attempt ran whole, unwatched, and failed: the storages it put back
+        self.unwatched: set[int] | None = None
         self._norms: dict[int, nn.Module] = {}  # BatchNorm layers seen updating statistics
         self._is_open = False
 
     # The batch --------------------------------------------------------------------------------
 
-    def open(self, batch_tensors: Iterable[torch.Tensor], *, split: bool) -> None:
+    def open(
+        self, batch_tensors: Iterable[torch.Tensor], *, split: bool, unwatched: set[int] | None = None
+    ) -> None:
         """A batch begins on the slow path: index what exists now, and save what a restart
-        puts back (gradients, hyperparameters, metric states, RNG)."""
+        puts back (gradients, hyperparameters, metric states, RNG). ``unwatched``: its whole
+        attempt failed unwatched, having copied these storages."""
         self._is_open = True
+        self.unwatched = unwatched
         self.split = split
         index: dict[int, tuple[Kind, str]] = {}
         host = self.host
@@ -346,6 +356,7 @@ class Ledger:
     def close(self) -> None:
         """The batch ended (done, or raised): forget its records."""
         self._is_open = False
+        self.unwatched = None
         self.index = {}
         self.fresh = set()
         self.piece = Backups()
@@ -495,6 +506,9 @@ class Ledger:
         verdict = rule.decide(write)
         if verdict is Verdict.ALLOW:
             return
+        if self.unwatched is not None and kind in _UNSEEN_KINDS and key not in self.unwatched:
+            self.learned.append((kind, tensor))  # (copied on the fast path from now on)
+            raise unseen_write(self.host.name, kind, name or self.name_of(tensor), tensor, op)
         if verdict in (Verdict.REFUSE, Verdict.FINAL) and _from_distributed():
             return  # torch.distributed's own (FSDP2 gathering into its unsharded parameters)
         if verdict is Verdict.BACKUP:

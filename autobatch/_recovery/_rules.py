@@ -281,6 +281,22 @@ def refusal(step: str, what: str, where: str, why: str, fix: str) -> Refusal:
     )
 
 
+def unseen_write(step: str, kind: Kind, name: str, tensor: torch.Tensor, op: str) -> Refusal:
+    """A write, in the retry of a batch whose whole attempt failed unwatched, to state that
+    attempt had no copy of: it may have changed it already."""
+    return Refusal(
+        f"{step} changed {kind.value} {name} ({_describe(tensor)}) in place ({op}), at "
+        f"{user_frame()}, which no call autobatch watched had changed. The whole batch ran "
+        "first, unwatched, and ran out of memory: it may have changed it already, and "
+        "autobatch holds no copy from before it, so running the batch again could change it "
+        f"twice. The batch is not retried; the rest of its state is as before the call, but "
+        f"{name} may stay changed. To fix: create the tensor before the first call of the "
+        "decorated step (a buffer registered on a module the step runs is learned when it is "
+        "registered), declare a running sum with additive=[tensor], or make the change after "
+        "the decorated step returns. autobatch copies it from now on"
+    )
+
+
 def _describe(tensor: torch.Tensor) -> str:
     return f"{tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}"
 
