@@ -102,10 +102,13 @@ class _Accumulation:
         self.patches = [
             Patch(o, "step", self._deferred_step(o, o.step)) for o in optimizers
         ]
-        self.track(params)
+        self.candidates = list(params)  # (tracked once they require gradients: unfrozen)
+        self.track(self.candidates)
         # the gradients in .grad as the batch began (an earlier call's, which a piece folds
         # into the sum only when its backward reaches them), held weakly as the ledger does
-        self.began = {id(p): weakref.ref(p.grad) for p in self.params if p.grad is not None}
+        self.began = {
+            id(p): weakref.ref(p.grad) for p in self.candidates if p.grad is not None
+        }
         self.standins = contextlib.ExitStack()  # torch's entry points, routed here (_patches)
         self.standins.enter_context(split_standins(self))
         self.standins.enter_context(backward_handler(self._route_backward))
@@ -158,6 +161,9 @@ class _Accumulation:
     def backward(self, real: Callable[..., Any], tensors: Any, grad_tensors: Any,
                  *args: Any, **kwargs: Any) -> Any:
         """``torch.autograd.backward`` in a piece: the root weighted by the piece's share."""
+        # parameters the step made require gradients (a backbone unfrozen after warm-up):
+        # the graph cannot show those a reentrant checkpoint runs, so they are looked up here
+        self.track(p for p in self.candidates if p.requires_grad and id(p) not in self.ids)
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if any(not isinstance(t, torch.Tensor) for t in roots):
             raise AutobatchError(
