@@ -157,7 +157,7 @@ def test_buffers_written_in_their_forward_and_gradients_by_autograd_are_backed_u
     autograd = Write(Kind.GRADIENT, "w.grad", "", "", True, False, True, False)
     assert RULES[Kind.GRADIENT].decide(autograd) is Verdict.BACKUP
     last = Write(Kind.PARAMETER, "w", "", "", False, False, False, False)
-    assert RULES[Kind.PARAMETER].decide(last) is Verdict.FINAL  # before the step: not undone
+    assert RULES[Kind.PARAMETER].decide(last) is Verdict.BACKUP  # before the step: copied
     after = Write(Kind.PARAMETER, "w", "", "", False, False, False, True)
     assert RULES[Kind.PARAMETER].decide(after) is Verdict.ALLOW
 

@@ -539,3 +539,84 @@ def test_a_backbone_unfrozen_inside_the_step_is_weighted_and_summed(
         return model
 
     _assert_same(train(True), train(False))
+
+
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("at_call", [0, 2])
+def test_plain_sgd_out_of_memory_at_its_first_operator_in_a_split_batch_is_retried(
+    foreach: bool | None, at_call: int
+) -> None:
+    """Plain SGD keeps no state, so every step is a first step. An OOM at the first operator of
+    its deferred step (in the last piece of a split batch) wrote nothing, yet was refused as
+    "had already changed its parameters": the watched step counted a write before it ran."""
+
+    def train(guard: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=foreach)
+
+        def step(batch: Any) -> None:
+            opt.zero_grad()
+            _loss(model, batch).backward()
+            opt.step()
+
+        run = retry_on_oom(optimizer=opt, model=model)(step) if guard else step
+        for call in range(4):
+            batch = _data(call)
+            if guard and call == at_call:
+                with inject_oom(batch_over=4), inject_oom(phase="optimizer", at_op=1) as fault:
+                    run(batch)
+                assert fault.fired == 1
+            else:
+                run(batch)
+        return model
+
+    _assert_same(train(True), train(False))
+
+
+class _Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 8, max_norm=1.0)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+@pytest.mark.parametrize("fault", ["forward", "backward", "optimizer"])
+@pytest.mark.parametrize("call", [0, 2])
+def test_embedding_max_norm_is_refused_with_the_right_cause(fault: str, call: int) -> None:
+    """Embedding(max_norm=) renormalises its weight in place in forward. On a watched call the
+    weight is copied first and put back; on the fast path it is not (the message says it stays
+    changed). It used to be blamed on an optimizer.step() that never ran."""
+    model = _Bag()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    @retry_on_oom(optimizer=opt, model=model)
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        opt.step()
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 50, (8, 5), generator=g) * (i + 1) % 50,
+                torch.randint(0, 3, (8,), generator=g)) for i in range(call + 1)]
+    with torch.no_grad():
+        model.emb.weight.mul_(3)  # (rows above max_norm: the renormalisation changes them)
+    for batch in batches[:-1]:
+        step(batch)
+    before = model.emb.weight.detach().clone()
+    inject = {"forward": lambda: inject_oom(phase="forward", at_op=8),
+              "backward": lambda: inject_oom(phase="backward", at_op=2),
+              "optimizer": lambda: inject_oom(phase="optimizer", at_op=1)}[fault]
+    with inject(), pytest.raises(AutobatchError) as raised:
+        step(batches[-1])
+    message = str(raised.value)
+    assert "optimizer.step() had updated" not in message
+    assert "model.emb.weight" in message or "emb.weight" in message, message
+    if call == 0:  # watched: put back
+        assert torch.equal(model.emb.weight, before)
+    elif not torch.equal(model.emb.weight, before):  # fast path: said so
+        assert "the change stays" in message or "may stay changed" in message, message

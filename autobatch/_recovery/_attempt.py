@@ -360,7 +360,7 @@ class _Attempt:
         unless the step is known to carry gradients across calls)."""
         self.params = params
         grads = [p.grad for p in params]
-        if grads.count(None) == len(grads):  # (the common case: zeroed with set_to_none)
+        if all(g is None for g in grads):  # (the common case; list.count would compare tensors)
             self.grads: list[weakref.ref[torch.Tensor] | None] = grads  # type: ignore[assignment]
             self.carried = self.versions_carried = _NOTHING
             return
@@ -409,6 +409,15 @@ class _Attempt:
                 firsts[id(optimizer)] = [
                     (p, p._version) for g in optimizer.param_groups for p in g["params"]
                 ]
+
+    def _began(self, p: torch.Tensor) -> int | None:
+        """``p``'s version as the attempt began, where it was recorded."""
+        if self.versions is None:
+            return None
+        for q, version in zip(self.params, self.versions, strict=False):
+            if q is p:
+                return int(version)
+        return None
 
     def changed(self) -> list[torch.Tensor]:
         """The parameters changed in place since the attempt began (known where the step is
@@ -507,6 +516,22 @@ class _Attempt:
                 "in place, outside the optimizer autobatch was given (an EMA update, say): "
                 "retrying would change it again. Move that update out of the decorated step "
                 "(after it returns), or pass that parameter's optimizer too"
+            ) from failure.exc
+        # parameters changed before any optimizer step began (Embedding(max_norm=) renormalises
+        # its weight in forward): not the optimizer's doing, whatever failed after
+        at_step = {id(p): v for first in (self.firsts or {}).values() for p, v in first}
+        before = [] if self.versions is None else [  # (else `changed` are a first step's)
+            p for p in changed
+            if (at_step[id(p)] != self._began(p) if id(p) in at_step else not self.stepped)
+        ]
+        if before:
+            raise AutobatchError(
+                f"{name} ran out of memory ({kind}) after it had changed {describe(before)} in "
+                "place outside an optimizer step (Embedding(max_norm=...) renormalises its weight "
+                "in forward, for one): running the batch again would change it again, so it is "
+                "not retried, and the change stays. Restore from a checkpoint; to avoid it, make "
+                "that change before the decorated step (torch.embedding_renorm_ under no_grad, "
+                "then an Embedding without max_norm inside)"
             ) from failure.exc
         # Fused optimizers update without counting a modification: which steps began is known
         # from the step hook, not from the version counters alone.

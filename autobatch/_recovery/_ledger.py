@@ -190,6 +190,13 @@ class _Mode(DispatchMode):
         if facts.writes:
             for tensor in written_tensors(facts, args, kwargs):
                 ledger.writing(tensor, facts.name)
+        if facts.writes and (ledger.stepping or ledger.pending):
+            # counted once the operator ran (one that runs out of memory writes nothing)
+            pending, ledger.pending = ledger.pending, []
+            out = _call(facts, func, args, kwargs)
+            ledger.final += pending  # (writes that cannot be undone)
+            ledger.wrote_in_step = ledger.wrote_in_step or ledger.stepping
+            return out
         out = _call(facts, func, args, kwargs)
         if facts.fresh:
             if type(out) is torch.Tensor and out.layout is torch.strided:
@@ -251,6 +258,7 @@ class Ledger:
         self.wrote_in_step = False  # it wrote the parameters or its state
         self.step_versions: list[tuple[torch.Tensor, int]] = []
         self.final: list[Write] = []  # writes that cannot be undone
+        self.pending: list[Write] = []  # such writes of the operator about to run
         self.piece = Backups()
         self.batch = Backups()
         self.metrics: list[nn.Module] = []
@@ -394,6 +402,7 @@ class Ledger:
         self.stepping = self.stepped = self.wrote_in_step = False
         self.step_versions = []
         self.final = []
+        self.pending = []
         self.fresh = set()
         self.piece = Backups()
         if records and self._is_open:
@@ -487,8 +496,7 @@ class Ledger:
         if key in self.fresh:
             return
         if self.stepping:
-            self.wrote_in_step = True
-            return
+            return  # (the optimizer step autobatch runs: counted once the operator ran)
         found = self.index.get(key)
         if found is None:
             found = self._classify(tensor, key)
@@ -513,13 +521,13 @@ class Ledger:
             return  # torch.distributed's own (FSDP2 gathering into its unsharded parameters)
         if verdict is Verdict.BACKUP:
             self._back_up(tensor)
-            if kind in (Kind.OTHER, Kind.BUFFER, Kind.METRIC, Kind.ADDITIVE):
+            if kind is not Kind.GRADIENT:  # (what the fast path copies, or counts)
                 self.learned.append((kind, tensor))
             return
         where = user_frame()
-        if verdict is Verdict.FINAL:
+        if verdict is Verdict.FINAL:  # (counted once the operator ran: see _Mode)
             self.learned.append((kind, tensor))
-            self.final.append(Write(
+            self.pending.append(Write(
                 kind, name, op, where, write.early, write.forward, write.backward, write.stepped
             ))
             return

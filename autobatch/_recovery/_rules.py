@@ -10,8 +10,8 @@ A write to a tensor that existed before an attempt is judged by the rule of its 
   accumulation), autograd adding into a gradient, metric states and declared tensors;
 - backed up before the first write of each attempt, so that a failed attempt is put back bit
   for bit (and, when the batch starts over, everything since the batch began);
-- final: it cannot be undone, so a failure after it is not retried (a parameter changed in the
-  last micro-batch before its optimizer step);
+- final: it cannot be undone, so a failure after it is not retried (an optimizer the step was
+  not given stepping in a whole attempt);
 - refused before it happens, with :class:`Refusal`, where it would run once per micro-batch
   instead of once per batch (an early micro-batch writing a parameter, an EMA, a buffer
   outside a forward, a gradient that is partial there, any other tensor).
@@ -168,10 +168,12 @@ class Rule:
 
 
 def _outside_step(w: Write) -> Verdict:
-    """Parameters and optimizer state: only the optimizer step changes them exactly once."""
+    """Parameters and optimizer state: only the optimizer step changes them exactly once (a
+    whole attempt's write before it, Embedding(max_norm=)'s renormalisation in forward, is
+    copied first, so that a failure after it is undone)."""
     if w.early:
         return Verdict.REFUSE
-    return Verdict.ALLOW if w.stepped else Verdict.FINAL
+    return Verdict.ALLOW if w.stepped else Verdict.BACKUP
 
 
 #: Operators that zero a tensor (``zero_grad(set_to_none=False)``, ``grad.zero_()``).
