@@ -620,3 +620,53 @@ def test_embedding_max_norm_is_refused_with_the_right_cause(fault: str, call: in
         assert torch.equal(model.emb.weight, before)
     elif not torch.equal(model.emb.weight, before):  # fast path: said so
         assert "the change stays" in message or "may stay changed" in message, message
+
+
+# Reading p.grad in every micro-batch ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reader", ["norm logging", "post-accumulate hook", "in-place clamp"])
+@pytest.mark.parametrize("at_call", [0, 2])
+def test_code_between_backward_and_step_reads_the_gradient_in_every_micro_batch(
+    reader: str, at_call: int
+) -> None:
+    """In a micro-batch before the last ``.grad`` shows the sum so far (weighted), so code that
+    reads it (gradient-norm logging, a post-accumulate hook, which torch promises ``.grad`` in)
+    runs; its writes there are dropped, and made once on the whole batch's gradient in the
+    last micro-batch. It used to find ``None`` and crash the first time memory ran short."""
+
+    def train(guard: bool) -> tuple[nn.Module, list[float]]:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        norms: list[float] = []
+        handles = [
+            p.register_post_accumulate_grad_hook(lambda p: norms.append(float(p.grad.norm())))
+            for p in model.parameters()
+        ] if reader == "post-accumulate hook" else []
+
+        def step(batch: Any) -> None:
+            opt.zero_grad()
+            _loss(model, batch).backward()
+            if reader == "norm logging":
+                norms.append(float(sum(p.grad.norm() ** 2 for p in model.parameters())))
+            elif reader == "in-place clamp":
+                for p in model.parameters():
+                    p.grad.clamp_(-0.02, 0.02)
+            opt.step()
+
+        run = retry_on_oom(optimizer=opt, model=model)(step) if guard else step
+        for call in range(4):
+            batch = _data(call)
+            if guard and call == at_call:
+                with inject_oom(batch_over=4):
+                    run(batch)
+            else:
+                run(batch)
+        for handle in handles:
+            handle.remove()
+        return model, norms
+
+    (got, got_norms), (truth, truth_norms) = train(True), train(False)
+    _assert_same(got, truth)
+    if reader == "norm logging":  # (the last micro-batch's is the whole batch's)
+        assert got_norms[-1] == pytest.approx(truth_norms[-1], rel=1e-9)

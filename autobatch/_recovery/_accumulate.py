@@ -19,8 +19,9 @@ runs on the calling thread (calls from elsewhere pass through):
 
 As soon as a parameter's gradient is complete for a piece (its post-accumulate hook, which
 runs before the user's own), it joins the sum: in an early piece it is added to a private
-buffer and ``.grad`` is emptied (code between ``backward()`` and ``optimizer.step()`` finds
-nothing there); in the last piece ``.grad`` takes the buffer in. So a split step holds the sum
+buffer, which ``.grad`` then shows (code between ``backward()`` and ``optimizer.step()``, and
+hooks, read the sum so far; the ledger drops their writes to it, which the last piece makes on
+the whole batch's gradient); in the last piece ``.grad`` takes the buffer in. So a split step holds the sum
 and one parameter's new gradient, not a second whole gradient, and from the first fold on the
 piece is :attr:`~_Accumulation.dirty`: if it fails, the batch starts over. The optimizers'
 ``step`` does nothing in early pieces and runs once in the last, with the whole batch's
@@ -90,6 +91,8 @@ class _Accumulation:
         self.contributed = False  # this piece's gradients reached the buffers, or .grad the sum
         self.moving = False
         self.buffers: dict[int, torch.Tensor] = {}
+        self.sum_keys: set[int] = set()  # the buffers' storages (the ledger drops writes there)
+        self.exposed: set[int] = set()  # parameters whose .grad shows their sum now
         self.in_place: set[int] = set()
         self.unfolded: set[int] = set()  # gradients left in .grad until the backward ends
         self.on_restart: list[Callable[[], None]] = []
@@ -137,6 +140,7 @@ class _Accumulation:
         self.in_place.update(id(p) for p in params)
 
     def begin_piece(self, weight: float, last: bool) -> None:
+        self.hide()
         self.weight, self.last = weight, last
         self.contributed = self.moving = False
         self.stepped.clear()
@@ -144,6 +148,7 @@ class _Accumulation:
 
     def end_piece(self) -> None:
         self.running = False
+        self.hide()
 
     @property
     def dirty(self) -> bool:
@@ -212,6 +217,7 @@ class _Accumulation:
                     torch.full_like(t, self.weight) if g is None else g * self.weight
                     for t, g in zip(roots, grads, strict=True)
                 ]
+        self.hide()  # (a second backward in the piece: autograd makes fresh gradients)
         self.in_backward += 1
         try:
             result = real(roots, grad_tensors, *args, **kwargs)
@@ -276,9 +282,7 @@ class _Accumulation:
                     p.grad = _add(grad, buffer)
                 return
             self.contributed = True
-            buffer = self.buffers.get(id(p))
-            self.buffers[id(p)] = grad if buffer is None else _add(buffer, grad)
-            p.grad = None
+            self._fold(p, grad)
 
     def _backward_done(self) -> None:
         if self.last:
@@ -288,18 +292,46 @@ class _Accumulation:
         for done in self.on_backward:
             done()
 
+    def _fold(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add a piece's gradient into ``p``'s sum, and show the sum so far in ``.grad``
+        (hooks and code before ``optimizer.step()`` read it; their writes to it are dropped
+        by the ledger in an early piece, and made on the whole batch's in the last)."""
+        buffer = self.buffers.get(id(p))
+        if buffer is None or grad is buffer:
+            buffer = grad  # (the first, or autograd added into the sum shown, in place)
+        elif id(p) in self.exposed:
+            buffer = grad  # (autograd added into the sum shown: the sum plus the new part)
+        else:
+            buffer = _add(buffer, grad)
+        self.buffers[id(p)] = buffer
+        self.sum_keys.add(_rules._key(buffer))
+        p.grad = buffer
+        self.exposed.add(id(p))
+
+    def grad_cleared(self, p: torch.Tensor) -> None:
+        """The step set ``p.grad`` to ``None`` (``zero_grad()``): its sum is no longer shown
+        (the sum itself stays, in the buffers)."""
+        self.exposed.discard(id(p))
+
+    def hide(self) -> None:
+        """Take the sums so far out of ``.grad`` (before a backward, or between pieces)."""
+        self.exposed.clear()
+        with _rules.engine_work():
+            for p in self.params:
+                grad = p.grad
+                if grad is not None and grad is self.buffers.get(id(p)):
+                    p.grad = None
+
     def stash(self) -> None:
         """Move the piece's gradients into the buffers (early pieces)."""
         self.moving = True
         with _rules.engine_work():
             for p in self.params:
                 grad = p.grad
-                if grad is None or id(p) in self.in_place:
+                if grad is None or id(p) in self.in_place or grad is self.buffers.get(id(p)):
                     continue
                 self.contributed = True
-                buffer = self.buffers.get(id(p))
-                self.buffers[id(p)] = grad if buffer is None else _add(buffer, grad)
-                p.grad = None
+                self._fold(p, grad)
         self.moving = False
 
     def merge(self) -> None:
@@ -405,6 +437,8 @@ class _Accumulation:
         """Forget every piece: gradients to ``None`` (the ledger puts back what was there),
         except those the batch began with, which the ledger holds only weakly."""
         self.buffers.clear()
+        self.sum_keys.clear()
+        self.exposed.clear()
         for p in self.params:
             if id(p) in self.in_place or not self._began_with(p):
                 p.grad = None

@@ -49,7 +49,7 @@ from autobatch._backends import restore_rng_states, save_rng_states
 from autobatch._errors import AutobatchError
 from autobatch._recovery import _attempt
 from autobatch._recovery._backups import Backups
-from autobatch._recovery._patches import backward_handler
+from autobatch._recovery._patches import backward_handler, running_split
 from autobatch._recovery._rules import (
     _BUSY,
     CHECKS,
@@ -188,7 +188,12 @@ class _Mode(DispatchMode):
         if not ledger.records:
             return _call(facts, func, args, kwargs)
         if facts.writes:
-            for tensor in written_tensors(facts, args, kwargs):
+            written = written_tensors(facts, args, kwargs)
+            if ledger.sums and ledger.early and ledger.drops(written, facts.name):
+                # (a write to the gradient sum shown in an early piece: the last piece makes
+                # it on the whole batch's gradient, once)
+                return None if facts.foreach_write else written[0]
+            for tensor in written:
                 ledger.writing(tensor, facts.name)
         if facts.writes and (ledger.stepping or ledger.pending):
             # counted once the operator ran (one that runs out of memory writes nothing)
@@ -259,6 +264,7 @@ class Ledger:
         self.step_versions: list[tuple[torch.Tensor, int]] = []
         self.final: list[Write] = []  # writes that cannot be undone
         self.pending: list[Write] = []  # such writes of the operator about to run
+        self.sums: set[int] = set()  # the gradient sums an early piece shows (writes dropped)
         self.piece = Backups()
         self.batch = Backups()
         self.metrics: list[nn.Module] = []
@@ -403,6 +409,8 @@ class Ledger:
         self.step_versions = []
         self.final = []
         self.pending = []
+        route = running_split() if split else None  # (the split batch's accumulation)
+        self.sums = route.sum_keys if route is not None else set()
         self.fresh = set()
         self.piece = Backups()
         if records and self._is_open:
@@ -435,6 +443,18 @@ class Ledger:
                 hook.remove()
             self.gate = None
             self.records = False
+
+    def drops(self, written: list[torch.Tensor], op: str) -> bool:
+        """Whether an operator writes only gradient sums shown in an early piece (then it is
+        not run); one that writes both those and other tensors is refused."""
+        hits = sum(_key(t) in self.sums for t in written)
+        if hits and hits != len(written):
+            raise refusal(
+                self.host.name, f"changed gradients and other tensors in one operator ({op})",
+                user_frame(), "in a micro-batch before the last, gradients are sums so far",
+                "change gradients between backward() and optimizer.step() on their own",
+            )
+        return bool(hits)
 
     def distributes(self, args: tuple[Any, ...]) -> bool:
         """Whether an operator takes a DTensor (outside an optimizer's step): DTensor may

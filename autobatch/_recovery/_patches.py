@@ -190,7 +190,8 @@ def split_routes() -> tuple[Any, ...]:
 def split_standins(route: Any) -> Iterator[None]:
     """Install the stand-ins of a split batch (once per process) and route this thread's
     calls to ``route`` while it runs a piece (``route.running``); ``route`` answers
-    ``scaler_call``, ``scheduler_call``, ``stepping_scheduler`` and ``grad_assigned``."""
+    ``scaler_call``, ``scheduler_call``, ``stepping_scheduler``, ``grad_assigned`` and
+    ``grad_cleared``."""
     _SPLIT.acquire()
     _ROUTES.split = (*_ROUTES.split, route)
     try:
@@ -237,8 +238,11 @@ def _get_grad(tensor: torch.Tensor) -> torch.Tensor | None:
 
 def _set_grad(tensor: torch.Tensor, value: torch.Tensor | None) -> None:
     route = running_split()
-    if route is not None and value is not None:
-        route.grad_assigned(tensor)
+    if route is not None:
+        if value is None:
+            route.grad_cleared(tensor)
+        else:
+            route.grad_assigned(tensor)
     _TENSOR_GRAD.__set__(tensor, value)
 
 

@@ -14,7 +14,7 @@ A write to a tensor that existed before an attempt is judged by the rule of its 
   not given stepping in a whole attempt);
 - refused before it happens, with :class:`Refusal`, where it would run once per micro-batch
   instead of once per batch (an early micro-batch writing a parameter, an EMA, a buffer
-  outside a forward, a gradient that is partial there, any other tensor).
+  outside a forward, a gradient carried from an earlier call, any other tensor).
 """
 
 from __future__ import annotations
@@ -219,11 +219,11 @@ RULES: dict[Kind, Rule] = {rule.kind: rule for rule in (
     Rule(Kind.OPTIMIZER, _outside_step, _ONCE, _MOVE),
     Rule(
         Kind.GRADIENT, _gradient,
-        "in a micro-batch before the last, gradients are partial (autobatch shows code between "
-        "backward() and the optimizer step no gradient there, and the whole batch's in the last "
-        "micro-batch)",
-        "change gradients after backward() with torch.nn.utils.clip_grad_norm_/clip_grad_value_ "
-        "or between backward() and optimizer.step(), where they are complete",
+        "a gradient carried from an earlier call would be changed once per micro-batch (the "
+        "sums so far a micro-batch shows in .grad may be changed: the change is made once, on "
+        "the whole batch's gradient, in the last micro-batch)",
+        "change gradients between backward() and optimizer.step(), or after the decorated step "
+        "returns",
     ),
     Rule(
         Kind.BUFFER, _buffer,
@@ -246,12 +246,13 @@ RULES: dict[Kind, Rule] = {rule.kind: rule for rule in (
 #: checks that the README and this table agree, and that each line has a test).
 REFUSED: tuple[str, ...] = (
     "a parameter or optimizer state changed in place outside the optimizer step, in a "
-    "micro-batch before the last (an EMA or teacher update, weight clipping, a manual edit)",
+    "micro-batch before the last (an EMA or teacher update, weight clipping, the "
+    "renormalisation of `Embedding(max_norm=...)`, a manual edit)",
     "any other tensor that existed before the step changed in place in a micro-batch before "
     "the last (a running sum, a dict of shadow weights, a buffer written outside its module's "
     "forward), unless declared with `additive=`",
-    "a gradient changed in place outside backward in a micro-batch before the last (it is "
-    "partial there)",
+    "a gradient carried from an earlier call changed in place, other than zeroed, in a "
+    "micro-batch before the last",
     "a `.grad` assigned by the step (`torch.autograd.grad`, then `p.grad = g`: gradient "
     "surgery)",
     "an optimizer hyperparameter changed in the step: an LR scheduler not given as "
