@@ -6,7 +6,9 @@ step, given or not, or outside it; an EMA in a closure, in ``self`` or in a dict
 a linear or non-linear gradient hook; one to three optimizers, or one fused into backward;
 ``torch.autograd.grad``; a loss averaged over items; a GradScaler, given or not; BatchNorm;
 dropout; accumulation across calls; a gradients-only function; gradients zeroed at the start
-or at the end of the step, with either ``set_to_none``) and an OOM schedule of
+or at the end of the step, with either ``set_to_none``; code reading every ``.grad`` between
+backward and step; the layers after the first under a reentrant or a plain checkpoint; the
+first layer unfrozen inside the step) and an OOM schedule of
 :func:`autobatch.testing.check_split` (in forward; in backward after a fold, in an early piece
 or the last; for the whole batch on the fast path; in the optimizer's first step). Each run
 must be exact, or refused with an :class:`~autobatch.AutobatchError` that left every value as
@@ -49,6 +51,9 @@ class Parts:
     schedule: str
     zero: str = "start"  # where the step zeroes its gradients: "start", "end", with "_keep"
     # (set_to_none=False) or without
+    reader: bool = False  # code reads (and logs) every .grad between backward and step
+    checkpoint: str = "none"  # "none", "reentrant", "plain": the layers after the first
+    unfreeze: bool = False  # the first layer is frozen until the step unfreezes it
 
     def refused(self) -> bool:
         """Whether autobatch must refuse this step (it cannot replay it exactly)."""
@@ -66,6 +71,9 @@ def parts(draw: Any) -> Parts:
     optimizers = draw(st.sampled_from([0, 1, 1, 2, 3]))
     fused = optimizers > 0 and draw(st.booleans()) and draw(st.booleans())
     simple = fused or optimizers == 0
+    batchnorm = draw(st.booleans())
+    # (torch.autograd.grad cannot run through a reentrant checkpoint: torch refuses it)
+    grad = not fused and draw(st.booleans()) and draw(st.booleans())
     schedule = draw(st.sampled_from(
         ["forward", "backward", "backward_last", "optimizer", "fast_forward", "fast_backward"]
     ))
@@ -80,14 +88,20 @@ def parts(draw: Any) -> Parts:
             ["none", "none", "closure", "self", "dict"])),
         metric=draw(st.booleans()),
         hook=draw(st.sampled_from(["none", "none", "none", "linear", "nonlinear"])),
-        grad=not fused and draw(st.booleans()) and draw(st.booleans()),
+        grad=grad,
         items=draw(st.booleans()),
         scaler="none" if simple else draw(st.sampled_from(["none", "given", "not given"])),
-        batchnorm=draw(st.booleans()),
+        batchnorm=batchnorm,
         dropout=draw(st.booleans()),
         accumulate=not fused and optimizers > 0 and draw(st.booleans()),
         schedule=schedule,
         zero=draw(st.sampled_from(["start", "start_keep", "end", "end_keep"])),
+        reader=draw(st.booleans()),
+        # (a checkpoint recomputes BatchNorm's forward: its statistics update twice, which
+        # the check's truth, normalising the same micro-batches, does not model)
+        checkpoint="none" if batchnorm else draw(st.sampled_from(
+            ["none", "none", "reentrant", "plain"] if not grad else ["none", "plain"])),
+        unfreeze=not fused and draw(st.booleans()),
     )
 
 
@@ -95,6 +109,7 @@ class _Holder:
     """Where a step written as a method keeps its EMA."""
 
     ema: Any = None
+    norms: list[float]
 
 
 def _build(p: Parts, seed: int) -> dict[str, Any]:
@@ -108,6 +123,8 @@ def _build(p: Parts, seed: int) -> dict[str, Any]:
     layers += [nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)]
     model = nn.Sequential(*layers)
     linears = [m for m in model if isinstance(m, nn.Linear)]
+    if p.unfreeze:
+        model[0].requires_grad_(False)
     make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
             "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
             "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2)}[p.kind]
@@ -163,6 +180,8 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
     metric, ema = world.get("metric"), world.get("ema")
     holder = _Holder()
     holder.ema = ema
+    holder.norms = []
+    tail = nn.Sequential(*list(model)[1:])  # (the same modules)
 
     def step(self: Any, batch: tuple[torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:
         x, y, stepping = batch  # (the accumulation window ends: one value per batch)
@@ -170,7 +189,13 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
         if not p.accumulate and p.zero.startswith("start"):
             for opt in optimizers:
                 opt.zero_grad(**keep)
-        out = model(x)
+        if p.unfreeze:
+            model[0].requires_grad_(True)  # (toggled inside the step)
+        if p.checkpoint == "none":
+            out = model(x)
+        else:
+            out = torch.utils.checkpoint.checkpoint(
+                tail, model[0](x), use_reentrant=p.checkpoint == "reentrant")
         losses = nn.functional.cross_entropy(out, y, ignore_index=-100, reduction="none")
         loss = losses.sum() / (y != -100).sum().clamp(min=1) if p.items else losses.mean()
         if metric is not None:
@@ -184,6 +209,9 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
             scaler.scale(loss).backward()
         else:
             loss.backward()
+        if p.reader:  # (gradient-norm logging: the sum so far in an early piece)
+            holder.norms.append(float(sum(
+                q.grad.norm() ** 2 for q in model.parameters() if q.grad is not None)))
         if not optimizers or p.fused or not stepping:
             return loss.detach()
         if scaler is not None:

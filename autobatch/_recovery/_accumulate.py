@@ -181,10 +181,8 @@ class _Accumulation:
             [inputs] if isinstance(inputs, torch.Tensor) else inputs
         )
         fresh = [p for p in leaves if id(p) not in self.ids and isinstance(p, torch.nn.Parameter)]
-        fresh_ids = {id(p) for p in fresh}
-        hooked = _rules.gradient_hooks(
-            p for p in leaves if id(p) in self.ids or id(p) in fresh_ids
-        )
+        hooked = _rules.gradient_hooks([  # (every tracked one: a reentrant checkpoint hides
+            *self.params, *fresh])             # its parameters from the graph)
         if hooked:
             ledger = _ledger.watching()
             name = ledger.name_of(hooked[0]) if ledger is not None else "a parameter"
