@@ -79,6 +79,8 @@ class _Accumulation:
         optimizers: tuple[torch.optim.Optimizer, ...],
         scalers: tuple[Any, ...] = (),
         schedulers: tuple[Any, ...] = (),
+        *,
+        show_sums: bool = True,
     ) -> None:
         self.name = name
         self.params: list[torch.Tensor] = []
@@ -93,6 +95,9 @@ class _Accumulation:
         self.buffers: dict[int, torch.Tensor] = {}
         self.sum_keys: set[int] = set()  # the buffers' storages (the ledger drops writes there)
         self.exposed: set[int] = set()  # parameters whose .grad shows their sum now
+        #: show the sums so far in .grad (not under a process group: a step that reduces its
+        #: gradients itself, with dist.all_reduce, skips what it does not find)
+        self.show_sums = show_sums
         self.in_place: set[int] = set()
         self.unfolded: set[int] = set()  # gradients left in .grad until the backward ends
         self.on_restart: list[Callable[[], None]] = []
@@ -303,8 +308,11 @@ class _Accumulation:
             buffer = _add(buffer, grad)
         self.buffers[id(p)] = buffer
         self.sum_keys.add(_rules._key(buffer))
-        p.grad = buffer
-        self.exposed.add(id(p))
+        if self.show_sums:
+            p.grad = buffer
+            self.exposed.add(id(p))
+        else:
+            p.grad = None
 
     def grad_cleared(self, p: torch.Tensor) -> None:
         """The step set ``p.grad`` to ``None`` (``zero_grad()``): its sum is no longer shown

@@ -671,7 +671,8 @@ class _Engine:
 
     def _accumulation(self) -> _Accumulation:
         scalers = () if self.options.scaler is None else (self.options.scaler,)
-        return _Accumulation(self.name, self.known.params, self.optimizers, scalers, self.schedulers)
+        return _Accumulation(self.name, self.known.params, self.optimizers, scalers,
+                             self.schedulers, show_sums=self.coordinated() is None)
 
     # For the guard (a front-end asks) ---------------------------------------------------------
 
