@@ -156,6 +156,9 @@ class _Known:
         self.writes_batch = False  # the step writes its batch in place
         self.writes_params = False  # it changes parameters outside its optimizer step
         self.carries = False  # gradients are left for the next call to add to
+        #: calls in a row whose backward found none of the gradients carried into the call
+        #: (a step that zeroes them with set_to_none first): from 3 on, none are kept apart
+        self.drops_first = 0
         self.compiled = False
         self.graphless = True  # nothing in `changing` requires gradients
         for optimizer in optimizers:
@@ -267,7 +270,8 @@ class _Host(Protocol):
 
 def _carrying_backward(
     real: Callable[..., Any], tensors: Any, *args: Any,
-    carried: list[tuple[torch.Tensor, weakref.ref[torch.Tensor]]], **kwargs: Any,
+    carried: list[tuple[torch.Tensor, weakref.ref[torch.Tensor]]], carried_into: list[bool],
+    **kwargs: Any,
 ) -> Any:
     """``torch.autograd.backward`` for a step that adds to gradients carried from earlier
     calls: the carried ones are set aside while backward runs and the new ones added to them
@@ -276,6 +280,8 @@ def _carrying_backward(
     if torch._C._current_autograd_node() is not None:
         return real(tensors, *args, **kwargs)
     aside = [(p, g) for p, ref in carried if (g := ref()) is not None and p.grad is g]
+    if aside:
+        carried_into.append(True)
     for p, _ in aside:
         p.grad = None
     try:
@@ -321,8 +327,9 @@ class _Attempt:
     its backward (:func:`_carrying_backward`)."""
 
     __slots__ = (
-        "batch_versions", "carried", "engine", "firsts", "grads", "light", "ours_stepped",
-        "params", "patch", "shadows", "stepped", "token", "versions", "versions_carried", "zeroed",
+        "batch_versions", "carried", "carried_into", "engine", "firsts", "grads", "light",
+        "ours_stepped", "params", "patch", "shadows", "stepped", "token", "versions",
+        "versions_carried", "zeroed",
     )
 
     def __init__(
@@ -365,7 +372,8 @@ class _Attempt:
             self.carried = self.versions_carried = _NOTHING
             return
         self.grads = [None if g is None else weakref.ref(g) for g in grads]
-        if not (carry or self.engine.known.carries):
+        known = self.engine.known
+        if not (carry or known.carries) or (known.drops_first >= 3 and not known.carries):
             self.carried = self.versions_carried = _NOTHING
             return
         self.carried = [
@@ -385,7 +393,9 @@ class _Attempt:
 
     def keep_carried(self) -> None:
         """Keep the gradients carried from earlier calls apart from the attempt's backward."""
-        self.patch = backward_handler(functools.partial(_carrying_backward, carried=self.carried))
+        self.carried_into: list[bool] = []
+        self.patch = backward_handler(functools.partial(
+            _carrying_backward, carried=self.carried, carried_into=self.carried_into))
         self.patch.__enter__()
 
     def end(self, token: contextvars.Token[_Attempt | None] | None) -> None:
@@ -396,6 +406,8 @@ class _Attempt:
         if self.patch is not None:
             self.patch.__exit__(None, None, None)
             self.patch = None
+            known = self.engine.known
+            known.drops_first = 0 if self.carried_into else known.drops_first + 1
 
     def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
         self.stepped.append(optimizer)
