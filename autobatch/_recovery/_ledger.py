@@ -195,12 +195,9 @@ class _Mode(DispatchMode):
                 return None if facts.foreach_write else written[0]
             for tensor in written:
                 ledger.writing(tensor, facts.name)
-        if facts.writes and (ledger.stepping or ledger.pending):
-            # counted once the operator ran (one that runs out of memory writes nothing)
-            pending, ledger.pending = ledger.pending, []
+        if facts.writes and ledger.stepping:
             out = _call(facts, func, args, kwargs)
-            ledger.final += pending  # (writes that cannot be undone)
-            ledger.wrote_in_step = ledger.wrote_in_step or ledger.stepping
+            ledger.wrote_in_step = True  # (once it ran: one that ran out of memory wrote nothing)
             return out
         out = _call(facts, func, args, kwargs)
         if facts.fresh:
@@ -263,7 +260,6 @@ class Ledger:
         self.wrote_in_step = False  # it wrote the parameters or its state
         self.step_versions: list[tuple[torch.Tensor, int]] = []
         self.final: list[Write] = []  # writes that cannot be undone
-        self.pending: list[Write] = []  # such writes of the operator about to run
         self.sums: set[int] = set()  # the gradient sums an early piece shows (writes dropped)
         self.piece = Backups()
         self.batch = Backups()
@@ -408,7 +404,6 @@ class Ledger:
         self.stepping = self.stepped = self.wrote_in_step = False
         self.step_versions = []
         self.final = []
-        self.pending = []
         route = running_split() if split else None  # (the split batch's accumulation)
         self.sums = route.sum_keys if route is not None else set()
         self.fresh = set()
@@ -537,25 +532,18 @@ class Ledger:
         if self.unwatched is not None and kind in _UNSEEN_KINDS and key not in self.unwatched:
             self.learned.append((kind, tensor))  # (copied on the fast path from now on)
             raise unseen_write(self.host.name, kind, name or self.name_of(tensor), tensor, op)
-        if verdict in (Verdict.REFUSE, Verdict.FINAL) and _from_distributed():
+        if verdict is Verdict.REFUSE and _from_distributed():
             return  # torch.distributed's own (FSDP2 gathering into its unsharded parameters)
         if verdict is Verdict.BACKUP:
             self._back_up(tensor)
             if kind is not Kind.GRADIENT:  # (what the fast path copies, or counts)
                 self.learned.append((kind, tensor))
             return
-        where = user_frame()
-        if verdict is Verdict.FINAL:  # (counted once the operator ran: see _Mode)
-            self.learned.append((kind, tensor))
-            self.pending.append(Write(
-                kind, name, op, where, write.early, write.forward, write.backward, write.stepped
-            ))
-            return
         shown = name or self.name_of(tensor)
         raise refusal(
             self.host.name,
             f"changed {kind.value} {shown} ({_describe(tensor)}) in place ({op})",
-            where, rule.why, rule.fix,
+            user_frame(), rule.why, rule.fix,
         )
 
     def adopt(self, params: Iterable[torch.Tensor]) -> None:

@@ -45,18 +45,23 @@ BackwardHandler = Callable[..., Any]
 
 
 class Patch:
-    """Replace an attribute of an object for a while (:meth:`undo` restores it exactly)."""
+    """Replace an attribute of an object for a while (:meth:`undo` restores it exactly, once;
+    the integrations replace their frameworks' methods with it too)."""
 
     def __init__(self, obj: object, name: str, replacement: Any) -> None:
         self.obj, self.name = obj, name
         self.had = name in vars(obj)
         self.previous = vars(obj).get(name)
         setattr(obj, name, replacement)
+        self.active = True
 
     def undo(self) -> None:
+        if not self.active:
+            return
+        self.active = False
         if self.had:
             setattr(self.obj, self.name, self.previous)
-        else:
+        elif self.name in vars(self.obj):
             delattr(self.obj, self.name)
 
 

@@ -10,8 +10,6 @@ A write to a tensor that existed before an attempt is judged by the rule of its 
   accumulation), autograd adding into a gradient, metric states and declared tensors;
 - backed up before the first write of each attempt, so that a failed attempt is put back bit
   for bit (and, when the batch starts over, everything since the batch began);
-- final: it cannot be undone, so a failure after it is not retried (an optimizer the step was
-  not given stepping in a whole attempt);
 - refused before it happens, with :class:`Refusal`, where it would run once per micro-batch
   instead of once per batch (an early micro-batch writing a parameter, an EMA, a buffer
   outside a forward, a gradient carried from an earlier call, any other tensor).
@@ -153,7 +151,6 @@ class Write:
 class Verdict(enum.Enum):
     ALLOW = "allow"
     BACKUP = "backup"  # copied first, put back after a failure
-    FINAL = "final"  # cannot be undone: a failure after it is not retried
     REFUSE = "refuse"
 
 

@@ -39,26 +39,6 @@ def _cuda_initialized() -> bool:
     return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
-class Patch:
-    """Replace an attribute of an object (as an instance attribute) until :meth:`undo`."""
-
-    def __init__(self, obj: object, name: str, replacement: object) -> None:
-        self.obj, self.name = obj, name
-        self.had = name in vars(obj)
-        self.previous = vars(obj).get(name)
-        setattr(obj, name, replacement)
-        self.active = True
-
-    def undo(self) -> None:
-        if not self.active:
-            return
-        self.active = False
-        if self.had:
-            setattr(self.obj, self.name, self.previous)
-        elif self.name in vars(self.obj):
-            delattr(self.obj, self.name)
-
-
 def first_rows(dataset: Any, collate: Callable[[list[Any]], Any], rows: int) -> Any:
     """The first ``rows`` examples of a map-style dataset (or the first ones an iterable
     dataset yields), collated into one batch: a sample for the search, drawn without a sampler

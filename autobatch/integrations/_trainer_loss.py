@@ -49,6 +49,7 @@ from torch.utils import _pytree as pytree
 
 from autobatch import AutobatchError
 from autobatch._log import user_name
+from autobatch._recovery._patches import Patch
 from autobatch.integrations import _common
 
 __all__ = [
@@ -278,7 +279,7 @@ class Weighing:
             loss = _scaled(_plain(loss), share)
             return (loss, *result[1:]) if isinstance(result, tuple) else loss
 
-        patch = _common.Patch(trainer, "compute_loss", compute_loss)
+        patch = Patch(trainer, "compute_loss", compute_loss)
         try:
             yield
         finally:

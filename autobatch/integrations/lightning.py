@@ -51,6 +51,7 @@ import torch
 
 from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
 from autobatch._log import get_logger, named_after
+from autobatch._recovery._patches import Patch
 from autobatch._recovery._results import _combine
 from autobatch.integrations import _common
 
@@ -342,7 +343,7 @@ def _sample(trainer: Any, module: Any) -> tuple[Any, int | None]:
 @contextlib.contextmanager
 def _silenced_log(module: Any) -> Iterator[None]:
     """``self.log`` does nothing inside (trials are not training steps)."""
-    patch = _common.Patch(module, "log", _ignore)
+    patch = Patch(module, "log", _ignore)
     try:
         yield
     finally:
@@ -475,7 +476,7 @@ class _Guard:
         self.original = module.training_step
         self.reduction = callback.reduction
         self.items = callback.items
-        self.skip_zero: _common.Patch | None = None
+        self.skip_zero: Patch | None = None
 
         def piece(batch: Any, *args: Any, **kwargs: Any) -> _Piece:
             return self._piece(batch, *args, **kwargs)
@@ -493,7 +494,7 @@ class _Guard:
         def training_step(*args: Any, **kwargs: Any) -> Any:
             return self._guarded(*args, **kwargs)
 
-        self.patch = _common.Patch(module, "training_step", training_step)
+        self.patch = Patch(module, "training_step", training_step)
 
     @property
     def stats(self) -> RecoveryStats:
@@ -517,7 +518,7 @@ class _Guard:
             # guard's backward runs inside training_step, so zero them first, the same way.
             optimizer = trainer.optimizers[0]
             module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
-            self.skip_zero = _common.Patch(module, "optimizer_zero_grad", self._zeroed)
+            self.skip_zero = Patch(module, "optimizer_zero_grad", self._zeroed)
         ooms = self.step.stats.ooms
         result: Any = self.step(*args, **kwargs)
         pieces = result if isinstance(result, list) else [result]
@@ -548,7 +549,7 @@ class _Guard:
         def record(name: str, value: Any, *rest: Any, **options: Any) -> None:
             logged.append(_Logged(name, _detached(value), rest, options))
 
-        patch = _common.Patch(self.module, "log", record)
+        patch = Patch(self.module, "log", record)
         try:
             output = self.original(batch, *args, **kwargs)
         finally:

@@ -61,6 +61,7 @@ from torch import nn
 from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom, search_batch_size
 from autobatch._log import get_logger, named_after, user_name
 from autobatch._recovery import RetryingStep
+from autobatch._recovery._patches import Patch
 from autobatch.integrations import _common, _trainer_loss
 
 __all__ = ["autobatch_trainer", "recovery_stats", "search_result"]
@@ -148,7 +149,7 @@ def autobatch_trainer(
                 len(result.trials), result.device,
             )
     if guard:
-        _common.Patch(trainer, "training_step",
+        Patch(trainer, "training_step",
                       GuardedTrainingStep(trainer, original, min_batch, reduction, items))
     return trainer
 
@@ -295,7 +296,7 @@ def _mixed_precision(trainer: Any, model: nn.Module) -> Iterator[None]:
         with accelerator.autocast():
             return forward(*args, **kwargs)
 
-    patch = _common.Patch(model, "forward", convert_outputs_to_fp32(autocast_forward))
+    patch = Patch(model, "forward", convert_outputs_to_fp32(autocast_forward))
     try:
         yield
     finally:
@@ -356,7 +357,7 @@ def _find(
     model = trainer.model
     created = trainer.optimizer is None
     # one batch a step
-    accumulation = _common.Patch(trainer, "current_gradient_accumulation_steps", 1)
+    accumulation = Patch(trainer, "current_gradient_accumulation_steps", 1)
     try:
         with _common.preserved_rng():
             if created:
