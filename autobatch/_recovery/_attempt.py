@@ -34,7 +34,7 @@ from autobatch._errors import AutobatchError
 from autobatch._oom import MAX_CHAIN_DEPTH
 from autobatch._recovery import _rules
 from autobatch._recovery._patches import backward_handler
-from autobatch._recovery._rules import Kind, first_step_error, first_step_retryable
+from autobatch._recovery._rules import Kind, Seen
 
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 
@@ -265,6 +265,7 @@ class _Host(Protocol):
 
     name: str
     optimizers: tuple[torch.optim.Optimizer, ...]
+    optimized_ids: set[int]  # the parameters the step's own optimizers update
     known: _Known
 
 
@@ -469,66 +470,25 @@ class _Attempt:
                 "set_to_none=False)) before the whole batch ran out of memory stay zero.",
                 *error.args[1:])
 
-    def check(
-        self,
-        failure: _Failure,
-        optimized: set[int],
-        describe: Callable[[list[torch.Tensor]], str],
-    ) -> None:
-        """Raise unless retrying is safe; after a failed first step, drop the state it made.
-
-        Safe: nothing was changed that autobatch cannot put back (no optimizer stepped, no
-        parameter changed, the batch unchanged), or the OOM came inside an optimizer's first
-        step while it created its state and before any parameter changed.
-        """
-        name, kind, inside = self.engine.name, failure.kind, failure.inside
-        if self.batch_versions is not None and any(
+    def seen(self, describe: Callable[[list[torch.Tensor]], str]) -> Seen:
+        """What the failed attempt did that :meth:`rollback` does not undo, for the judge
+        (:func:`._rules.judge`): the optimizer steps that began, the parameters changed (by
+        their version counters), the batch, the carried gradients."""
+        optimized = self.engine.optimized_ids
+        batch = self.batch_versions is not None and any(
             t._version != v for t, v in self.batch_versions
-        ):
-            raise AutobatchError(
-                f"{name} ran out of memory ({kind}) after it had changed its batch in place: "
-                "running the batch again would apply that change twice, so it is not retried. "
-                "Change a copy of the batch (x = x / 255 instead of x /= 255), or do it before "
-                "the decorated step"
-            ) from failure.exc
+        )
+        carried = False
         for (_, ref), version in zip(self.carried, self.versions_carried, strict=True):
             grad = ref()
             if grad is None or grad._version == version:
                 continue
             if _zeroed(grad):
-                self.zeroed = True
+                self.zeroed = True  # (zero_grad(set_to_none=False) first: the retry zeroes it)
                 continue
-            raise AutobatchError(
-                f"{name} ran out of memory ({kind}) after it had added to gradients "
-                "carried from earlier calls outside torch.autograd.backward (or in a second "
-                "backward of the same call): their sum cannot be taken apart again, so the "
-                "batch is not retried. Restore from a checkpoint"
-            ) from failure.exc
-        ours = self.engine.optimizers
-        if inside is not None and all(inside is not o for o in ours):
-            raise AutobatchError(
-                f"{name} ran out of memory ({kind}) inside {type(inside).__name__}.step(), an "
-                "optimizer autobatch was not given, so it cannot tell whether the update was "
-                "partly applied; pass every optimizer the step calls: retry_on_oom(optimizer=...)"
-            ) from failure.exc
-        other = next((o for o in self.stepped if all(o is not mine for mine in ours)), None)
-        if other is not None:
-            raise AutobatchError(
-                f"{name} ran out of memory ({kind}) after {type(other).__name__}.step(), an "
-                "optimizer autobatch was not given, had run in this step: retrying would step "
-                "it twice. Pass every optimizer the step calls, "
-                "retry_on_oom(optimizer=[opt_a, opt_b]); where one optimizer's step feeds the "
-                "next part of the step (a GAN), decorate each part as its own function"
-            ) from failure.exc
+            carried = True
         changed = self.changed()
         foreign = [p for p in changed if id(p) not in optimized]
-        if foreign:
-            raise AutobatchError(
-                f"{name} ran out of memory ({kind}) after it had changed {describe(foreign)} "
-                "in place, outside the optimizer autobatch was given (an EMA update, say): "
-                "retrying would change it again. Move that update out of the decorated step "
-                "(after it returns), or pass that parameter's optimizer too"
-            ) from failure.exc
         # parameters changed before any optimizer step began (Embedding(max_norm=) renormalises
         # its weight in forward): not the optimizer's doing, whatever failed after
         at_step = {id(p): v for first in (self.firsts or {}).values() for p, v in first}
@@ -536,33 +496,10 @@ class _Attempt:
             p for p in changed
             if (at_step[id(p)] != self._began(p) if id(p) in at_step else not self.stepped)
         ]
-        if before:
-            raise AutobatchError(
-                f"{name} ran out of memory ({kind}) after it had changed {describe(before)} in "
-                "place outside an optimizer step (Embedding(max_norm=...) renormalises its weight "
-                "in forward, for one): running the batch again would change it again, so it is "
-                "not retried, and the change stays. Restore from a checkpoint; to avoid it, make "
-                "that change before the decorated step (torch.embedding_renorm_ under no_grad, "
-                "then an Embedding without max_norm inside)"
-            ) from failure.exc
-        # Fused optimizers update without counting a modification: which steps began is known
-        # from the step hook, not from the version counters alone.
-        stepped = [o for o in self.stepped if any(o is mine for mine in ours)]
-        finished = [o for o in stepped if o is not inside]
-        if inside is None or finished:
-            if changed or finished:
-                raise AutobatchError(
-                    f"{name} ran out of memory ({kind}) after "
-                    + (f"{type(finished[0]).__name__}.step()" if finished else "optimizer.step()")
-                    + " had updated the parameters; retrying would apply the update twice, so "
-                    "it is not retried. Restore from a checkpoint, and leave more memory free "
-                    "after the step, or move that work out of the step"
-                ) from failure.exc
-            return
-        fresh = self.firsts is not None and id(inside) in self.firsts
-        if first_step_retryable(inside, fresh=fresh, params_changed=bool(changed)):
-            return
-        raise first_step_error(
-            name, kind, inside, fresh=fresh,
-            changed=f"{len(changed)} of its parameters ({describe(changed)})" if changed else "",
-        ) from failure.exc
+        n = len(changed)
+        return Seen(
+            stepped=list(self.stepped), fresh=set(self.firsts or ()),
+            changed=f"{n} of its parameters ({describe(changed)})" if changed else "",
+            foreign=describe(foreign) if foreign else "",
+            before=describe(before) if before else "", batch=batch, carried=carried,
+        )

@@ -59,6 +59,7 @@ from autobatch._recovery._ranks import (
 )
 from autobatch._recovery._records import SizeChange, _Tally
 from autobatch._recovery._results import _combine
+from autobatch._recovery._rules import judge
 from autobatch._recovery._sizes import _Sizes, _TooSmall
 from autobatch._recovery._thrash import _Watch, hint_fragmentation
 from autobatch._units import format_bytes
@@ -475,7 +476,6 @@ class _Engine:
                 piece_args, piece_kwargs = self._with_batch(args, kwargs, piece)
                 whole = None if splits else _Attempt(self, carry=coord is None)  # (shrink: whole)
                 early = session is not None and not last
-                fresh = [not o.state for o in self.optimizers]
                 phases = _PhasePeaks(memory)  # peaks outside and inside optimizer.step
                 baseline = 0
                 if statistics:
@@ -539,8 +539,7 @@ class _Engine:
                     done = 0
                 self._recover(
                     failure, whole, key, eps, n, lost, memory, session, observer,
-                    restart=dirty or (whole is not None and done == 0), fresh=fresh,
-                    watched=watched,
+                    restart=dirty or (whole is not None and done == 0),
                 )
         except BaseException as error:
             # A refusal, an error of the step's own, a batch too large: nothing of the batch
@@ -583,8 +582,6 @@ class _Engine:
         observer: _Observer | None,
         *,
         restart: bool = False,
-        fresh: list[bool] | None = None,
-        watched: bool = False,
     ) -> None:
         """After an OOM at ``failed`` rows: check what the attempt changed, undo it, clean up,
         free memory, and pick a smaller size. ``whole``: the record of a whole-batch attempt;
@@ -598,13 +595,11 @@ class _Engine:
         try:
             if coord is None:  # (ranks that shard a model with FSDP2 are never independent)
                 _refuse_independent_shards(self.name, self.known.modules, failure)
-            if whole is not None:
-                whole.check(failure, self.optimized_ids, functools.partial(
-                    describe_params, named=self.named, modules=self.known.modules))
-            else:
-                self.ledger.check_failure(failure, fresh or [])
-            if watched:
-                self.ledger.check_final(failure)
+            seen = self.ledger.seen() if whole is None else whole.seen(functools.partial(
+                describe_params, named=self.named, modules=self.known.modules))
+            verdict = judge(self.name, failure.kind, failure.inside, seen, self.optimizers)
+            if verdict is not None:
+                raise verdict from failure.exc
         except AutobatchError as error:
             applied = error if isinstance(error, _Applied) else _Applied(str(error))
             applied.__cause__ = error.__cause__

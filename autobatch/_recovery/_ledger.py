@@ -46,7 +46,6 @@ from autobatch._accounting import (
     written_tensors,
 )
 from autobatch._backends import restore_rng_states, save_rng_states
-from autobatch._errors import AutobatchError
 from autobatch._recovery import _attempt
 from autobatch._recovery._backups import Backups
 from autobatch._recovery._patches import backward_handler, running_split
@@ -56,6 +55,7 @@ from autobatch._recovery._rules import (
     RULES,
     Edge,
     Kind,
+    Seen,
     Verdict,
     Write,
     _compiled,
@@ -68,8 +68,6 @@ from autobatch._recovery._rules import (
     _metric_state,
     _put_metric,
     _search,
-    first_step_error,
-    first_step_retryable,
     leaves,
     refusal,
     unseen_write,
@@ -258,8 +256,9 @@ class Ledger:
         self.stepping = False  # inside the real step of one of the step's optimizers
         self.stepped = False  # such a step began in this attempt
         self.wrote_in_step = False  # it wrote the parameters or its state
+        self.began: list[torch.optim.Optimizer] = []  # every optimizer step that began
+        self.firsts: set[int] = set()  # those that were their optimizer's first
         self.step_versions: list[tuple[torch.Tensor, int]] = []
-        self.final: list[Write] = []  # writes that cannot be undone
         self.sums: set[int] = set()  # the gradient sums an early piece shows (writes dropped)
         self.piece = Backups()
         self.batch = Backups()
@@ -403,7 +402,7 @@ class Ledger:
         self.allocated = True
         self.stepping = self.stepped = self.wrote_in_step = False
         self.step_versions = []
-        self.final = []
+        self.began, self.firsts = [], set()
         route = running_split() if split else None  # (the split batch's accumulation)
         self.sums = route.sum_keys if route is not None else set()
         self.fresh = set()
@@ -482,8 +481,10 @@ class Ledger:
 
     def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer's step begins (the process-wide pre-hook): one the step was not
-        given is refused in a split batch before it changes anything, and makes a whole
-        attempt final."""
+        given is refused in a split batch before it changes anything."""
+        self.began.append(optimizer)
+        if not optimizer.state:
+            self.firsts.add(id(optimizer))
         if any(optimizer is o for o in self.host.optimizers):
             self.stepped = True
             return
@@ -499,10 +500,6 @@ class Ledger:
                 "discriminator, then its generator), decorate each part as its own function; "
                 "or use policy='shrink'",
             )
-        self.final.append(Write(
-            Kind.PARAMETER, f"the parameters of {label}", f"{label}.step()", user_frame(),
-            False, False, False, True,
-        ))
 
     def writing(self, tensor: torch.Tensor, op: str, force: Kind | None = None) -> None:
         """An operator is about to write ``tensor``: refuse, back it up, or let it be.
@@ -640,43 +637,15 @@ class Ledger:
         if self.rng_batch is not None:
             restore_rng_states(self.rng_batch)
 
-    def check_failure(self, failure: _attempt._Failure, fresh: list[bool]) -> None:
-        """A piece failed: refuse unless nothing it did is beyond undoing (its optimizer step,
-        once begun, only while it created its state and before any parameter changed)."""
-        ledger = self
-        if not ledger.stepped:
-            return
-        inside = failure.inside
-        if inside is not None and any(inside is o for o in self.host.optimizers):
-            index = next(i for i, o in enumerate(self.host.optimizers) if o is inside)
-            if first_step_retryable(
-                inside, fresh=fresh[index] if index < len(fresh) else False,
-                params_changed=ledger.step_changed_parameters(),
-            ):
-                return
-            raise first_step_error(
-                self.host.name, failure.kind, inside, fresh=index < len(fresh) and fresh[index],
-                changed="its parameters" if ledger.step_changed_parameters() else "",
-            ) from failure.exc
-        raise AutobatchError(
-            f"{self.host.name} ran out of memory ({failure.kind}) after optimizer.step() had updated "
-            "the parameters; retrying would apply the update twice, so it is not retried. "
-            "Restore from a checkpoint, and leave more memory free after the step, or move "
-            "that work out of the step"
-        ) from failure.exc
-
-    def check_final(self, failure: _attempt._Failure) -> None:
-        """Refuse after a failure that followed a write the ledger cannot undo."""
-        final = self.final
-        if not final:
-            return
-        write = final[0]
-        raise AutobatchError(
-            f"{self.host.name} ran out of memory ({failure.kind}) after it had written "
-            f"{write.kind.value} {write.name} ({write.op}, at {write.where}) outside the "
-            "optimizer step autobatch runs: running the batch again would write it twice, so "
-            "it is not retried. Move that write out of the decorated step (after it returns)"
-        ) from failure.exc
+    def seen(self) -> Seen:
+        """What the failed attempt did that :meth:`undo_piece` does not undo, for the judge
+        (:func:`._rules.judge`): the optimizer steps that began, and whether one of them
+        wrote a parameter (seen by the mode, or by the version counters where compiled code
+        wrote it); every other write was backed up or refused before it happened."""
+        return Seen(
+            stepped=list(self.began), fresh=set(self.firsts),
+            changed="its parameters" if self.step_changed_parameters() else "",
+        )
 
     def first_attempt_written(self) -> list[tuple[Kind, torch.Tensor]]:
         """What watched whole attempts wrote that the fast path should copy (then forget)."""

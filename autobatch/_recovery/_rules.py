@@ -25,7 +25,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, cast
 
@@ -418,6 +418,96 @@ def _search(fn: Any, key: int, depth: int = 3) -> str | None:
                 if t is not None and _key(t) == key:
                     return f"{name}.{sub}"
     return None
+
+
+# One judge for a failed attempt ----------------------------------------------------------------
+
+
+@dataclass
+class Seen:
+    """What a failed attempt did that its backups do not undo, as far as its path saw: the
+    fast path by the optimizer steps' pre-hook and version counters, a watched attempt by the
+    ledger (which backed up every other write it judged). :func:`judge` decides for both."""
+
+    stepped: list[torch.optim.Optimizer] = field(default_factory=list)  # steps that began
+    fresh: set[int] = field(default_factory=set)  # ids of those whose step was their first
+    changed: str = ""  # parameters a step changed before the OOM, described
+    foreign: str = ""  # parameters changed in place that no optimizer of the step updates
+    before: str = ""  # parameters changed in place before any step, with no copy to put back
+    batch: bool = False  # the batch was changed in place, with no copy to put back
+    carried: bool = False  # gradients carried into the call were added to outside backward
+
+
+def judge(
+    name: str, kind: str, inside: torch.optim.Optimizer | None, seen: Seen,
+    ours: tuple[torch.optim.Optimizer, ...],
+) -> AutobatchError | None:
+    """Why a failed attempt may not run again, or ``None`` where it may: nothing it did is
+    beyond undoing, or the OOM came inside an optimizer's first step while it created its
+    state and before any parameter changed (that state is dropped here). The same for every
+    path."""
+    if seen.batch:
+        return AutobatchError(
+            f"{name} ran out of memory ({kind}) after it had changed its batch in place: "
+            "running the batch again would apply that change twice, so it is not retried. "
+            "Change a copy of the batch (x = x / 255 instead of x /= 255), or do it before "
+            "the decorated step"
+        )
+    if seen.carried:
+        return AutobatchError(
+            f"{name} ran out of memory ({kind}) after it had added to gradients carried from "
+            "earlier calls outside torch.autograd.backward (or in a second backward of the "
+            "same call): their sum cannot be taken apart again, so the batch is not retried. "
+            "Restore from a checkpoint"
+        )
+    if inside is not None and all(inside is not o for o in ours):
+        return AutobatchError(
+            f"{name} ran out of memory ({kind}) inside {type(inside).__name__}.step(), an "
+            "optimizer autobatch was not given, so it cannot tell whether the update was "
+            "partly applied; pass every optimizer the step calls: retry_on_oom(optimizer=...)"
+        )
+    other = next((o for o in seen.stepped if all(o is not mine for mine in ours)), None)
+    if other is not None:
+        return AutobatchError(
+            f"{name} ran out of memory ({kind}) after {type(other).__name__}.step(), an "
+            "optimizer autobatch was not given, had run in this step: retrying would step "
+            "it twice. Pass every optimizer the step calls, "
+            "retry_on_oom(optimizer=[opt_a, opt_b]); where one optimizer's step feeds the "
+            "next part of the step (a GAN), decorate each part as its own function"
+        )
+    if seen.foreign:
+        return AutobatchError(
+            f"{name} ran out of memory ({kind}) after it had changed {seen.foreign} in place, "
+            "outside the optimizer autobatch was given (an EMA update, say): retrying would "
+            "change it again. Move that update out of the decorated step (after it returns), "
+            "or pass that parameter's optimizer too"
+        )
+    if seen.before:
+        return AutobatchError(
+            f"{name} ran out of memory ({kind}) after it had changed {seen.before} in place "
+            "outside an optimizer step (Embedding(max_norm=...) renormalises its weight in "
+            "forward, for one): running the batch again would change it again, so it is not "
+            "retried, and the change stays. Restore from a checkpoint; to avoid it, make that "
+            "change before the decorated step (torch.embedding_renorm_ under no_grad, then an "
+            "Embedding without max_norm inside)"
+        )
+    # Fused optimizers update without counting a modification: which steps began is known
+    # from the step hook, not from the version counters alone.
+    finished = [o for o in seen.stepped if o is not inside]
+    if inside is None or finished:
+        if seen.changed or finished:
+            return AutobatchError(
+                f"{name} ran out of memory ({kind}) after "
+                + (f"{type(finished[0]).__name__}.step()" if finished else "optimizer.step()")
+                + " had updated the parameters; retrying would apply the update twice, so it "
+                "is not retried. Restore from a checkpoint, and leave more memory free after "
+                "the step, or move that work out of the step"
+            )
+        return None
+    fresh = id(inside) in seen.fresh
+    if first_step_retryable(inside, fresh=fresh, params_changed=bool(seen.changed)):
+        return None
+    return first_step_error(name, kind, inside, fresh=fresh, changed=seen.changed)
 
 
 # The retry rule for an OOM inside a first step ------------------------------------------------
