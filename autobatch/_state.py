@@ -205,16 +205,22 @@ class Snapshot:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | None,
         optimizer: torch.optim.Optimizer | None = None,
         extras: tuple[Any, ...] = (),
         modules: tuple[torch.nn.Module, ...] = (),
+        *,
+        optimizers: tuple[torch.optim.Optimizer, ...] = (),
+        params: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for o in (optimizer, *optimizers):
+            if o is not None and all(o is not k for k in self.optimizers):
+                self.optimizers.append(o)
         self.module = _ModuleState()
         seen: set[int] = set()
-        for owner in (model, *modules):
+        for owner in (*(() if model is None else (model,)), *modules):
             for module in owner.modules():
                 if id(module) in seen:
                     continue
@@ -224,17 +230,18 @@ class Snapshot:
                     self.module.buffers.append(
                         (module, name, buf, None if buf is None else _host_copy(buf))
                     )
-        params: dict[int, torch.Tensor] = {}
-        for owner in (model, *modules):
-            params.update((id(p), p) for p in owner.parameters())
-        if optimizer is not None:
-            params.update((id(p), p) for g in optimizer.param_groups for p in g["params"])
-        for param in params.values():
+        every: dict[int, torch.Tensor] = {}
+        for owner in (*(() if model is None else (model,)), *modules):
+            every.update((id(p), p) for p in owner.parameters())
+        for o in self.optimizers:
+            every.update((id(p), p) for g in o.param_groups for p in g["params"])
+        every.update((id(p), p) for p in params)
+        for param in every.values():
             self.module.tensors.append((param, _host_copy(param)))
             self.module.flags.append((param, param.requires_grad))
-        self.params = list(params.values())
+        self.params = list(every.values())
         self.grads = _Gradients(self.params)
-        self.optimizer_state = self._save_optimizer(optimizer) if optimizer is not None else None
+        self.optimizer_states = [self._save_optimizer(o) for o in self.optimizers]
         self.extras = [(obj, self._save_object(obj)) for obj in extras]
         self.rng = save_rng_states()
         self.python_rng = random.getstate()
@@ -285,8 +292,8 @@ class Snapshot:
         for param in self.params:
             param.grad = None
         self.grads.put_back()
-        if self.optimizer is not None and self.optimizer_state is not None:
-            self._restore_optimizer(self.optimizer, self.optimizer_state)
+        for optimizer, entries in zip(self.optimizers, self.optimizer_states, strict=True):
+            self._restore_optimizer(optimizer, entries)
         for obj, attributes in self.extras:
             self._restore_object(obj, attributes)
         restore_rng_states(self.rng)

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from autobatch._errors import AutobatchError
 from autobatch._oom import MAX_CHAIN_DEPTH
 from autobatch._recovery import _rules
+from autobatch._recovery._backups import Backups
 from autobatch._recovery._patches import backward_handler
 from autobatch._recovery._rules import Kind, Seen
 
@@ -245,9 +246,7 @@ class _Known:
         return self.changing, self.shadows, metrics
 
     @staticmethod
-    def restore(saved: _Shadows | None) -> None:
-        if saved is None:
-            return
+    def restore(saved: _Shadows) -> None:
         changing, shadows, metrics = saved
         if changing:
             with torch.no_grad(), _disable_current_modes():
@@ -257,6 +256,15 @@ class _Known:
 
 
 _Shadows = tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]
+
+
+def _put_gradients(saved: tuple[list[torch.Tensor], list[Any]]) -> None:
+    """Every gradient as an attempt began (held weakly; ``None`` stays ``None``)."""
+    params, grads = saved
+    for p, ref in zip(params, grads, strict=True):
+        grad = None if ref is None else ref()  # (None: the step dropped it itself)
+        if p.grad is not grad:
+            p.grad = grad
 _NOTHING: list[Any] = []  # (shared, never appended to)
 
 
@@ -328,8 +336,8 @@ class _Attempt:
     its backward (:func:`_carrying_backward`)."""
 
     __slots__ = (
-        "batch_versions", "carried", "carried_into", "engine", "firsts", "grads", "light",
-        "ours_stepped", "params", "patch", "shadows", "stepped", "token", "versions",
+        "batch_versions", "carried", "carried_into", "engine", "firsts", "light",
+        "ours_stepped", "params", "patch", "stepped", "token", "undo", "versions",
         "versions_carried", "zeroed",
     )
 
@@ -350,12 +358,14 @@ class _Attempt:
         #: made for a step known to change nothing: nothing copied (the engine may reuse it)
         self.light = known.plain
         if self.light:
-            self.versions = self.shadows = self.batch_versions = None
+            self.versions = self.batch_versions = None
             return
         # the parameters' versions, where the step is known to change them outside its
         # optimizer step (an EMA before it); each first step records its own (optimizer_stepping)
         self.versions = list(map(_VERSION, known.params)) if known.writes_params else None
-        self.shadows = known.save()
+        saved = known.save()
+        if saved is not None:
+            self.undo.keep("known", saved, _Known.restore)
         self.batch_versions = (
             [(t, t._version) for t in batch] if batch is not None and known.writes_batch else None
         )
@@ -367,12 +377,14 @@ class _Attempt:
         (``carry``; not under a process group, whose backward reduces what ``.grad`` holds,
         unless the step is known to carry gradients across calls)."""
         self.params = params
+        self.undo = Backups()
         grads = [p.grad for p in params]
         if all(g is None for g in grads):  # (the common case; list.count would compare tensors)
-            self.grads: list[weakref.ref[torch.Tensor] | None] = grads  # type: ignore[assignment]
+            self.undo.keep("gradients", (params, grads), _put_gradients)
             self.carried = self.versions_carried = _NOTHING
             return
-        self.grads = [None if g is None else weakref.ref(g) for g in grads]
+        self.undo.keep("gradients", (params, [
+            None if g is None else weakref.ref(g) for g in grads]), _put_gradients)
         known = self.engine.known
         if not (carry or known.carries) or (known.drops_first >= 3 and not known.carries):
             self.carried = self.versions_carried = _NOTHING
@@ -444,19 +456,16 @@ class _Attempt:
         return [p for first in firsts.values() for p, v in first if p._version != v]
 
     def rollback(self) -> None:
-        """Put the known-changing state back as it was when the attempt began, and every
-        gradient as it was (the failed attempt's own are dropped; ``None`` stays ``None``)."""
-        _Known.restore(self.shadows)
-        for p, ref in zip(self.params, self.grads, strict=True):
-            grad = None if ref is None else ref()  # (None: the step dropped it itself)
-            if p.grad is not grad:
-                p.grad = grad
+        """Put back what the attempt's undo store holds: the known-changing state as it was
+        when the attempt began, and every gradient as it was (the failed attempt's own are
+        dropped; ``None`` stays ``None``)."""
+        self.undo.put_back()
 
     def kept(self) -> set[int]:
         """The storages of the state this attempt copied before it ran (put back after it
         failed): what the ledger need not refuse when the batch runs again."""
         known = self.engine.known
-        kept = {_rules._key(t) for t in known.changing} if self.shadows is not None else set()
+        kept = set() if self.light else {_rules._key(t) for t in known.changing}
         if self.batch_versions is not None:
             kept.update(_rules._key(t) for t, _ in self.batch_versions)
         return kept

@@ -1,9 +1,15 @@
-"""The undo store: copies of tensors taken before their first write, put back in reverse
-order (in host memory when large: device memory is short, which is why a batch is split)."""
+"""The undo store: every saved thing as a keyed entry, put back in reverse order. Copies of
+tensors taken before their first write (in host memory when large: device memory is short,
+which is why a batch is split), and values each with what puts it back: the gradients as an
+attempt began, the state the fast path copies in one fused copy, metric states, optimizer
+hyperparameters, the RNG streams. The fast path's attempts and the ledger's pieces and
+batches each hold one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -25,16 +31,26 @@ def _view(tensor: torch.Tensor) -> _View:
 HOST_BACKUP_BYTES = 2**20
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """A value saved with the function that puts it back."""
+
+    put: Callable[[Any], None]
+    value: Any
+
+
 @dataclass
 class Backups:
-    """Copies of tensors taken before their first write, put back in reverse order."""
+    """Keyed entries, put back in reverse order: ``(tensor, copy)`` under the tensor's view,
+    or a :class:`_Kept` under a key of the saver's."""
 
-    entries: dict[_View, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    entries: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | _Kept] = field(
+        default_factory=dict)
 
     def take(self, tensor: torch.Tensor, copy: torch.Tensor | None = None) -> torch.Tensor:
         view = _view(tensor)
         found = self.entries.get(view)
-        if found is not None:
+        if isinstance(found, tuple):
             return found[1]
         if copy is None:
             if tensor.numel() * tensor.element_size() > HOST_BACKUP_BYTES:
@@ -45,15 +61,32 @@ class Backups:
         self.entries[view] = (tensor, copy)
         return copy
 
+    def keep(self, key: Hashable, value: Any, put: Callable[[Any], None]) -> None:
+        """Save ``value`` under ``key``, to be put back by ``put(value)`` (the first value
+        saved under a key stays)."""
+        if key not in self.entries:
+            self.entries[key] = _Kept(put, value)
+
     def __contains__(self, tensor: torch.Tensor) -> bool:
         return _view(tensor) in self.entries
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors copied."""
+        return [e[0] for e in self.entries.values() if isinstance(e, tuple)]
+
     def put_back(self) -> None:
+        """Put every entry back, the last saved first. The tensors' copies are then forgotten
+        (each is unwritten again: its next write is a first write, copied anew); the values
+        kept stay, so a batch that starts over twice is put back to its beginning twice."""
         with engine_work(), torch.no_grad():
-            for tensor, copy in reversed(list(self.entries.values())):
+            for entry in reversed(list(self.entries.values())):
+                if isinstance(entry, _Kept):
+                    entry.put(entry.value)
+                    continue
+                tensor, copy = entry
                 if copy.device != tensor.device:
                     with _disable_current_modes():  # (from host memory, uncounted)
                         tensor.copy_(copy)
                 else:
                     tensor.copy_(copy)
-        self.entries.clear()
+        self.entries = {k: e for k, e in self.entries.items() if isinstance(e, _Kept)}

@@ -212,7 +212,7 @@ def check_split(
 def _run_schedule(
     name: str, step: Callable[..., Any], batch: Batch, earlier: list[Batch], total: int,
     world: World,
-    start: dict[str, Any], decorate: Callable[..., Any], rtol: float,
+    start: Any, decorate: Callable[..., Any], rtol: float,
 ) -> ScheduleResult:
     fast = name.startswith("fast_")
     # The split run, its micro-batches recorded.

@@ -233,6 +233,17 @@ def _discovering(real: Callable[..., Any], tensors: Any, *args: Any, ledger: Led
     return real(tensors, *args, **kwargs)
 
 
+def _put_gradient(saved: tuple[torch.Tensor, weakref.ref[torch.Tensor] | None]) -> None:
+    p, ref = saved
+    p.grad = None if ref is None else ref()  # (None: the step set it to None itself)
+
+
+def _put_hyper(saved: tuple[torch.optim.Optimizer, list[dict[str, Any]]]) -> None:
+    optimizer, groups = saved
+    for group, hyper in zip(optimizer.param_groups, groups, strict=False):
+        group.update(hyper)
+
+
 # The ledger -----------------------------------------------------------------------------------
 
 
@@ -263,14 +274,10 @@ class Ledger:
         self.piece = Backups()
         self.batch = Backups()
         self.metrics: list[nn.Module] = []
-        self.metric_batch: list[Any] = []
-        self.metric_piece: list[Any] = []
         self.hyper: list[list[dict[str, Any]]] = []
         # the gradients there were when the batch began, held weakly: a step that zeroes its
         # gradients first frees them, as it would unsplit (one gradient's worth of memory)
         self.carried: list[tuple[torch.Tensor, weakref.ref[torch.Tensor] | None]] = []
-        self.rng_batch: dict[str, Any] | None = None
-        self.rng_piece: dict[str, Any] | None = None
         self.learned: list[tuple[Kind, torch.Tensor]] = []  # written before a step, for the fast path
         self.params: list[torch.Tensor] = []
         self.opaque: list[torch.Tensor] = []  # buffers of compiled modules
@@ -347,10 +354,13 @@ class Ledger:
         for t in batch_tensors:
             index.setdefault(_key(t), (Kind.BATCH, "the batch"))
         self.index = index
-        self.metric_batch = [_metric_state(m) for m in self.metrics]
         self.hyper = [_hyperparameters(o) for o in host.optimizers]
-        self.rng_batch = save_rng_states()
         self.batch = Backups()
+        for p, ref in self.carried:
+            self.batch.keep(("gradient", id(p)), (p, ref), _put_gradient)
+        for optimizer, groups in zip(host.optimizers, self.hyper, strict=True):
+            self.batch.keep(("hyperparameters", id(optimizer)), (optimizer, groups), _put_hyper)
+        self._keep_changing(self.batch)
 
     @property
     def batchnorms(self) -> list[nn.Module]:
@@ -370,9 +380,7 @@ class Ledger:
         self.fresh = set()
         self.piece = Backups()
         self.batch = Backups()
-        self.metric_batch = self.metric_piece = []
         self.carried = []
-        self.rng_batch = self.rng_piece = None
 
     # One attempt ------------------------------------------------------------------------------
 
@@ -407,15 +415,13 @@ class Ledger:
         self.sums = route.sum_keys if route is not None else set()
         self.fresh = set()
         self.piece = Backups()
+        if self._is_open:
+            self._keep_changing(self.piece)
         if records and self._is_open:
-            self.metric_piece = [_metric_state(m) for m in self.metrics]
-            self.rng_piece = save_rng_states()
             for buffer in self.opaque:  # written by compiled code, where the mode cannot see
                 self.writing(buffer, "a compiled module's forward", force=Kind.BUFFER)
         if not records and self._is_open:
-            self.metric_piece = [_metric_state(m) for m in self.metrics]
-            self.rng_piece = save_rng_states()
-            for tensor in [*(t for t, _ in self.batch.entries.values()), *shadow, *self.opaque]:
+            for tensor in [*self.batch.tensors(), *shadow, *self.opaque]:
                 self._back_up(tensor)
 
         hooks = [] if on_forward is None else [  # (for the ranks' agreement only)
@@ -558,7 +564,9 @@ class Ledger:
                 for t in _tensors((grad,)):
                     self.index.setdefault(_key(t), (Kind.GRADIENT, f"{label}.grad"))
             if all(q is not p for q, _ in self.carried):
-                self.carried.append((p, None if grad is None else weakref.ref(grad)))
+                ref = None if grad is None else weakref.ref(grad)
+                self.carried.append((p, ref))
+                self.batch.keep(("gradient", id(p)), (p, ref), _put_gradient)
 
     def _back_up(self, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` before its first write in this attempt (and in this batch)."""
@@ -613,29 +621,21 @@ class Ledger:
             check(edge)
         self.piece = Backups()
 
+    def _keep_changing(self, store: Backups) -> None:
+        """Save in ``store`` what any attempt may change without a write the mode sees: the
+        metrics' states (a list state grows by appending) and the RNG streams."""
+        for metric in self.metrics:
+            store.keep(("metric", id(metric)), _metric_state(metric), _put_metric)
+        store.keep("rng", save_rng_states(), restore_rng_states)
+
     def undo_piece(self) -> None:
         """Put back what the failed attempt changed (the earlier pieces' work stays)."""
         self.piece.put_back()
-        for saved in self.metric_piece:
-            _put_metric(saved)
-        if self.rng_piece is not None:
-            restore_rng_states(self.rng_piece)
 
     def undo_batch(self) -> None:
         """Put back everything since the batch began (a restart, a refusal, an error)."""
-        # (taken first: a gradient the batch began with may live on in the backups alone)
-        carried = [(p, None if ref is None else ref()) for p, ref in self.carried]
-        self.piece = Backups()
-        self.batch.put_back()
-        for saved in self.metric_batch:
-            _put_metric(saved)
-        for optimizer, groups in zip(self.host.optimizers, self.hyper, strict=False):
-            for group, saved in zip(optimizer.param_groups, groups, strict=False):
-                group.update(saved)
-        for p, grad in carried:
-            p.grad = grad  # (None: the step set it to None itself)
-        if self.rng_batch is not None:
-            restore_rng_states(self.rng_batch)
+        self.batch.put_back()  # (first: a gradient the batch began with may live on in the
+        self.piece = Backups()  # piece's backups alone)
 
     def seen(self) -> Seen:
         """What the failed attempt did that :meth:`undo_piece` does not undo, for the judge

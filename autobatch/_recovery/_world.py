@@ -18,6 +18,7 @@ from autobatch._backends import restore_rng_states, save_rng_states
 from autobatch._batch import Batch
 from autobatch._recovery._arguments import _modules_of
 from autobatch._recovery._options import RecoveryOptions
+from autobatch._state import Snapshot
 
 
 class World:
@@ -121,30 +122,29 @@ class World:
                 _load_object(obj, saved, self.shared)
             restore_rng_states(rng)
 
-    def save(self) -> dict[str, Any]:
+    def save(self) -> tuple[Snapshot, list[Any], list[Any]]:
+        """Everything as it is now: the modules and optimizers in the finder's snapshot
+        (:class:`autobatch._state.Snapshot`, which also holds the RNG streams), the schedulers'
+        and the objects' states beside it."""
+        modules = [m for _, m in self.modules]
+        snapshot = Snapshot(None, modules=tuple(modules), optimizers=self.optimizers,
+                            params=tuple(t for _, t in self.loose))
+        snapshot.restore()  # (it takes the gradients aside, for a trial: they stay here)
         with torch.no_grad(), _disable_current_modes():
-            return {
-                "tensors": [(t, t.detach().clone(), None if t.grad is None else t.grad.clone(),
-                             t.requires_grad) for _, t, _ in self._tensors()],
-                "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
-                "schedulers": [copy.deepcopy(s.state_dict()) for s in self.schedulers],
-                "objects": [_save_object(o, self.shared) for o in self.objects],
-                "rng": save_rng_states(),
-            }
+            return (
+                snapshot,
+                [copy.deepcopy(s.state_dict()) for s in self.schedulers],
+                [_save_object(o, self.shared) for o in self.objects],
+            )
 
-    def load(self, saved: dict[str, Any]) -> None:
+    def load(self, saved: tuple[Snapshot, list[Any], list[Any]]) -> None:
+        snapshot, schedulers, objects = saved
+        snapshot.restore()
         with torch.no_grad(), _disable_current_modes():
-            for t, value, grad, _ in saved["tensors"]:
-                t.copy_(value)
-                t.grad = None if grad is None else grad.clone()
-            for optimizer, state in zip(self.optimizers, saved["optimizers"], strict=True):
-                optimizer.state.clear()
-                optimizer.load_state_dict(copy.deepcopy(state))
-            for scheduler, state in zip(self.schedulers, saved["schedulers"], strict=True):
+            for scheduler, state in zip(self.schedulers, schedulers, strict=True):
                 scheduler.load_state_dict(copy.deepcopy(state))
-            for obj, state in zip(self.objects, saved["objects"], strict=True):
+            for obj, state in zip(self.objects, objects, strict=True):
                 _load_object(obj, state, self.shared)
-        restore_rng_states(saved["rng"])
 
     def capture(self, result: Any) -> dict[str, Any]:
         """Every value compared, by a readable name."""
