@@ -320,6 +320,48 @@ def test_torch_entry_points_are_torch_s_own_while_another_thread_s_step_runs() -
     assert seen == [True]
 
 
+def test_a_plain_step_in_one_thread_never_meets_another_thread_s_watched_attempt() -> None:
+    """A CPU backward runs on the thread that calls it: optimizer steps fused into the
+    backward of a plain loop in the main thread, while another thread's step was watched,
+    were taken for that step's and refused inside the plain loop (found by the property
+    test's thread feature)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inside, go_on = threading.Event(), threading.Event()
+
+    @retry_on_oom(optimizer=opt)
+    def split(batch: Any) -> None:
+        loss = _loss(model, batch)
+        if len(batch[0]) < 8:  # (a micro-batch, watched)
+            inside.set()
+            go_on.wait(timeout=30)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def watched(batch: Any) -> None:
+        with inject_oom(batch_over=4):
+            split(batch)
+
+    plain = _model(1)
+    by_param = {q: torch.optim.SGD([q], lr=0.1) for q in plain.parameters()}
+
+    def stepped(q: torch.Tensor) -> None:  # (an optimizer step fused into backward)
+        by_param[q].step()
+        by_param[q].zero_grad()
+
+    for q in plain.parameters():
+        q.register_post_accumulate_grad_hook(stepped)
+    thread = threading.Thread(target=watched, args=(_data(0),))
+    thread.start()
+    try:
+        assert inside.wait(timeout=30)
+        _loss(plain, _data(1)).backward()  # (raised a refusal of the other thread's step)
+    finally:
+        go_on.set()
+        thread.join(timeout=30)
+
+
 @pytest.mark.filterwarnings("ignore:.*BatchNorm layer")  # (it runs in micro-batches)
 def test_a_piece_smaller_than_batchnorm_accepts_names_the_module_and_min_batch() -> None:
     torch.manual_seed(0)

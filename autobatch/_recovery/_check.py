@@ -145,7 +145,7 @@ def check_split(
     model: nn.Module | None = None,
     scheduler: Any = None,
     objects: tuple[Any, ...] | list[Any] = (),
-    before: tuple[Batch, ...] | list[Batch] = (),
+    before: tuple[Batch | Callable[[], Any], ...] | list[Batch | Callable[[], Any]] = (),
     dtype: torch.dtype | None = torch.float64,
     schedules: tuple[str, ...] | list[str] | None = None,
     rtol: float = 1e-9,
@@ -166,7 +166,10 @@ def check_split(
         objects: anything else whose state the step changes and that should be compared: an
             EMA model, a dict of tensors, a metric, an object with tensors or counters.
         before: batches the step runs (whole) before the checked call in every run, to reach
-            the state to check from: the earlier calls of an accumulation window, say.
+            the state to check from: the earlier calls of an accumulation window, say. A
+            callable among them is called instead, in its place: what the training loop does
+            between calls (an epoch start that replaces a buffer, adds a module or makes a
+            new metric).
         dtype: the floating dtype the check runs in (``None``: as they are).
         schedules: which of :data:`SCHEDULES` to run (default: all).
         rtol: the relative tolerance of a match (the absolute one is ``rtol`` times the
@@ -191,7 +194,7 @@ def check_split(
     results: list[ScheduleResult] = []
     with world.converted(dtype), _no_dropout(notes):
         data = cast_batch(batch, dtype)
-        earlier = [cast_batch(b, dtype) for b in before]
+        earlier = [b if callable(b) else cast_batch(b, dtype) for b in before]
         start = world.save()
         stateful = any(o.state for o in given.optimizers)
         for name in chosen:
@@ -210,7 +213,7 @@ def check_split(
 
 
 def _run_schedule(
-    name: str, step: Callable[..., Any], batch: Batch, earlier: list[Batch], total: int,
+    name: str, step: Callable[..., Any], batch: Batch, earlier: list[Any], total: int,
     world: World,
     start: Any, decorate: Callable[..., Any], rtol: float,
 ) -> ScheduleResult:
@@ -235,7 +238,8 @@ def _run_schedule(
     fault = _Faults(name, total, world.params(), world.buffers())
     result: Any = None
     for done in earlier or ([batch] if fast else []):
-        decorated(done)  # clean calls first (one, at least, for the OOM on the fast path)
+        # clean calls first (one, at least, for the OOM on the fast path)
+        done() if callable(done) else decorated(done)
     pieces.clear()
     before = world.capture(None)
     try:
@@ -254,7 +258,7 @@ def _run_schedule(
     # The truth: the unsplit step (each BatchNorm layer on the same pieces, in order).
     world.load(start)
     for done in earlier or ([batch] if fast else []):
-        step(done)
+        done() if callable(done) else step(done)
     with world.ghost_batchnorm(_final_pieces(pieces, total)):
         truth_result = step(batch)
     truth = world.capture(truth_result)

@@ -96,12 +96,16 @@ def _unwatch(ledger: Ledger) -> None:
 
 def watching() -> Ledger | None:
     """The innermost ledger watching an attempt of this thread's step, if any. On a thread of
-    autograd's own (a device's backward), where no step runs, the one ledger watching in the
-    process, if there is exactly one (with two, whose backward it is cannot be told)."""
+    autograd's own (a device's backward: not started from Python), where no step runs, the
+    one ledger watching in the process, if there is exactly one (with two, whose backward it
+    is cannot be told). A thread of the user's never sees another thread's ledger: a CPU
+    backward runs on the thread that called it."""
     mine = _WATCHING.get(threading.get_ident())
     if mine:
         return mine[-1]
-    if len(_WATCHING) == 1 and torch._C._current_autograd_node() is not None:
+    if len(_WATCHING) == 1 and torch._C._current_autograd_node() is not None and isinstance(
+        threading.current_thread(), threading._DummyThread
+    ):
         (only,) = _WATCHING.values()
         return only[-1] if only else None
     return None

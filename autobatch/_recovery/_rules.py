@@ -184,7 +184,11 @@ def _gradient(w: Write) -> Verdict:
         # a gradient carried into the batch, zeroed before any piece added to it (zero_grad
         # with set_to_none=False at the start of the step): the same as dropping it
         return Verdict.BACKUP
-    return Verdict.REFUSE if w.early else Verdict.ALLOW
+    if w.early:
+        return Verdict.REFUSE
+    # (a whole attempt's write before its optimizer step, zero_grad first: a refusal after
+    # it puts the gradient back)
+    return Verdict.ALLOW if w.stepped else Verdict.BACKUP
 
 
 def _buffer(w: Write) -> Verdict:
