@@ -16,13 +16,16 @@
      function with half the batch size, from the first batch.
 4. The smallest simulated GPU on which one guarded step trains the batch in micro-batches, next
    to the model state and one gradient it cannot do without.
-5. What the write ledger costs a split step: the same step, split into the same micro-batches,
-   with the ledger watching (as always) and with it switched off (for this measurement only).
+5. What a split step costs: the guarded step split into micro-batches against the same
+   micro-batches accumulated by a hand-written loop, with the write ledger watching (as always)
+   and with it switched off (for this measurement only), and where the ledger's time goes: the
+   operators it watched per call and its cost per operator.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autobatch import AutobatchError, BatchSizeError, free_memory, is_oom_error
 from autobatch._recovery import oom_guard, retry_on_oom
@@ -55,12 +59,13 @@ def _per_step(fn: Callable[[], None], steps: int) -> float:
 def _interleaved(
     plain: Callable[[Batch], Any], guarded: Callable[[Batch], Any], batches: list[Batch],
     rounds: int, steps: int,
-) -> tuple[float, float]:
+) -> tuple[float, float, tuple[float, float]]:
     """``guarded``'s overhead over ``plain``, step by step: in each round a plain loop and a
     guarded loop (``guarded`` called on what ``oom_guard`` hands out) advance together, one step
     of each in turn, in the order plain-guarded, guarded-plain, ... (so that neither always runs
     second on warm caches); each step's thread CPU time includes taking its batch from its
-    loader. Returns the median over rounds of (relative, seconds per step)."""
+    loader. Returns the median over rounds of (relative, seconds per step), and the
+    interquartile range of the relative one."""
     clock = time.thread_time_ns
     relative, absolute = [], []
     for _ in range(rounds + 1):  # (the first round warms up)
@@ -79,7 +84,8 @@ def _interleaved(
                         guarded_total += clock() - start
         relative.append(guarded_total / plain_total - 1)
         absolute.append((guarded_total - plain_total) / steps * 1e-9)
-    return statistics.median(relative[1:]), statistics.median(absolute[1:])
+    q = statistics.quantiles(relative[1:], n=4)
+    return statistics.median(relative[1:]), statistics.median(absolute[1:]), (q[0], q[2])
 
 
 def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
@@ -116,11 +122,11 @@ def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
         for _ in range(max(rounds // 4, 3))
     )
     opt.zero_grad()  # (gradients left behind would be carried by the no-op step: not bare)
-    _, fixed = _interleaved(noop, guarded_noop, batches, rounds, steps)
-    relative, absolute = _interleaved(step, guarded, batches, rounds, steps)
+    _, fixed, _ = _interleaved(noop, guarded_noop, batches, rounds, steps)
+    relative, absolute, spread = _interleaved(step, guarded, batches, rounds, steps)
     opt.zero_grad()
     guarded_backward(batches[0])  # gradients carried from now on
-    backward_relative, backward_absolute = _interleaved(
+    backward_relative, backward_absolute, backward_spread = _interleaved(
         backward_only, guarded_backward, batches, rounds, steps
     )
     params = sum(1 for _ in model.parameters())
@@ -128,12 +134,12 @@ def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
     return [
         f"| {name}, batch {size} | plain step (min) | {plain_time * 1e6:.1f} | |",
         f"| {name}, batch {size} | the same step, @retry_on_oom(optimizer=opt) inside oom_guard"
-        f" | {absolute * 1e6:+.1f} | {relative:+.2%} |",
+        f" | {absolute * 1e6:+.1f} | {relative:+.2%} ({spread[0]:+.2%} to {spread[1]:+.2%}) |",
         f"| {name}, batch {size} | guard + decorator around a no-op step (the bare machinery) | "
         f"{fixed * 1e6:+.2f} | {fixed / plain_time:+.2%} |",
         f"| {name}, batch {size} | forward and backward without optimizer step (gradients "
         f"carried to the next call: {params} of them kept apart) | {backward_absolute * 1e6:+.1f}"
-        f" | {backward_relative:+.2%} |",
+        f" | {backward_relative:+.2%} ({backward_spread[0]:+.2%} to {backward_spread[1]:+.2%}) |",
     ]
 
 
@@ -152,7 +158,8 @@ def bench_overhead(rounds: int, steps: int) -> None:
         "guarded loop taking steps in turn (plain-guarded, guarded-plain, ...), each step timed "
         "with its batch's hand-out; median over rounds\n"
     )
-    print("| workload | measurement | µs per step | relative to the plain step |")
+    print("| workload | measurement | µs per step | relative to the plain step: median "
+          "(interquartile range) |")
     print("|---|---|---|---|")
     for row in rows:
         print(row)
@@ -509,7 +516,14 @@ def bench_smallest(workloads: list[tuple[str, int]]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 5. The ledger's cost on a split step
+# 5. What a split step costs
+
+
+class _Nothing(TorchDispatchMode):
+    """A dispatch mode that does nothing but run each operator: what any mode costs."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
 
 
 class _Unwatched:
@@ -525,9 +539,16 @@ class _Unwatched:
         return None
 
 
-def _split_step_times(name: str, size: int, pieces: int, rounds: int, steps: int) -> tuple[float, float]:
-    """Thread CPU time per call of a guarded step that runs in ``pieces`` micro-batches, with
-    the ledger and without it (median of interleaved rounds)."""
+def _spread(values: list[float]) -> str:
+    """The median and the interquartile range of ``values``."""
+    q = statistics.quantiles(values, n=4)
+    return f"{statistics.median(values):.2f} ({q[0]:.2f}–{q[2]:.2f})"
+
+
+def _split_rows(name: str, size: int, pieces: int, rounds: int, steps: int) -> str:
+    """A guarded step that runs in ``pieces`` micro-batches, against the same micro-batches
+    accumulated by a hand-written loop, interleaved call by call; and with the ledger's
+    dispatch mode switched off, and the operators it watched."""
     from autobatch._recovery import _ledger
 
     work = WORKLOADS[name]
@@ -535,56 +556,121 @@ def _split_step_times(name: str, size: int, pieces: int, rounds: int, steps: int
     model = work.model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = [work.sample(size) for _ in range(4)]
-
     limit = [size // pieces]
+
+    def body(batch: Batch, weight: float) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        (loss * weight).backward()
+        return loss
 
     @retry_on_oom(optimizer=opt)
     def step(batch: Batch) -> torch.Tensor:
         if len(batch[0]) > limit[0]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
-        loss.backward()
+        loss = body(batch, 1.0)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         return loss
 
+    def by_hand(batch: Batch) -> None:  # what a user would write for the same micro-batches
+        opt.zero_grad()
+        n = size // pieces
+        for start in range(0, size, n):
+            body((batch[0][start : start + n], batch[1][start : start + n]), n / size)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
     step(batches[0])  # the sizes are learned: every later call runs in pieces
     limit[0] = size
     assert step.stats.micro_batch_size == size // pieces
-
-    def run() -> None:
-        for i in range(steps):
-            step(batches[i % len(batches)])
-
+    clock = time.thread_time_ns
     real = _ledger._Mode
-    watched, unwatched = [], []
-    for _ in range(rounds):
-        watched.append(_per_step(run, steps))
-        _ledger._Mode = _Unwatched  # type: ignore[misc, assignment]
-        try:
-            unwatched.append(_per_step(run, steps))
-        finally:
-            _ledger._Mode = real  # type: ignore[misc]
-    return statistics.median(watched), statistics.median(unwatched)
+    ratios, off = [], []
+    for r in range(rounds + 1):  # (the first round warms up)
+        times = {"hand": 0, "guarded": 0, "off": 0}
+        for i in range(steps):
+            order = ["hand", "guarded", "off"] if (r + i) % 2 else ["off", "guarded", "hand"]
+            for which in order:
+                batch = batches[i % len(batches)]
+                start = clock()
+                if which == "hand":
+                    by_hand(batch)
+                elif which == "guarded":
+                    step(batch)
+                else:
+                    _ledger._Mode = _Unwatched  # type: ignore[misc, assignment]
+                    try:
+                        step(batch)
+                    finally:
+                        _ledger._Mode = real  # type: ignore[misc]
+                times[which] += clock() - start
+        if r:
+            ratios.append(times["guarded"] / times["hand"])
+            off.append(times["off"] / times["hand"])
+    seen: Counter[str] = Counter()
+    dispatch = real.__torch_dispatch__
 
+    def counting(self: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        seen[str(func.name()).split("::")[-1].split(".")[0]] += 1
+        return dispatch(self, func, *args, **kwargs)
 
-def bench_ledger(rounds: int, steps: int) -> None:
-    torch.set_num_threads(1)
-    print("\n## 5. The write ledger's cost on a split step (CPU, AdamW, clipping)")
-    print(
-        "The same guarded step, split into the same micro-batches after one OOM; thread CPU "
-        f"time per call, median of {rounds} interleaved rounds of {steps} calls, with the "
-        "ledger watching every micro-batch (as always) and with its dispatch mode switched off "
-        "(for this measurement only)\n"
+    real.__torch_dispatch__ = counting  # type: ignore[method-assign]
+    try:
+        step(batches[0])
+    finally:
+        real.__torch_dispatch__ = dispatch  # type: ignore[method-assign]
+    ops = sum(seen.values())
+    every: Counter[str] = Counter()  # (the hand-written loop, every operator under a mode)
+
+    class _Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            every["all"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Counting():
+        by_hand(batches[0])
+    base: list[float] = []
+    moded: list[float] = []
+    for i in range(max(rounds // 4, 5)):
+        for under in ((False, True) if i % 2 else (True, False)):
+            start = clock()
+            with _Nothing() if under else contextlib.nullcontext():
+                by_hand(batches[i % len(batches)])
+            (moded if under else base).append((clock() - start) * 1e-9)
+    hand = statistics.median(base)
+    per_op = (statistics.median(ratios) - statistics.median(off)) * hand / max(ops, 1)
+    nothing = (statistics.median(moded) - hand) / every["all"]
+    top = ", ".join(f"{k} {v}" for k, v in seen.most_common(4))
+    return (
+        f"| {name} | {size} | {pieces} | {hand * 1e3:.2f} | {_spread(ratios)} | "
+        f"{_spread(off)} | {ops} ({top}) | {per_op * 1e6:.1f} | {nothing * 1e6:.1f} |"
     )
-    print("| workload | batch | micro-batches | with the ledger (ms) | without (ms) | ratio |")
-    print("|---|---|---|---|---|---|")
+
+
+def bench_split(rounds: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    print("\n## 5. What a split step costs (CPU, AdamW, clipping)")
+    print(
+        "The guarded step, split into micro-batches after one OOM, against the same "
+        "micro-batches accumulated by a hand-written loop (zero_grad, each piece's loss "
+        "weighted and backward, clipping, step), and the guarded step with the write ledger's "
+        f"dispatch mode switched off (for this measurement only). Thread CPU time; {rounds} "
+        f"rounds of {steps} calls of each, interleaved call by call; ratio to the hand-written "
+        "loop, median (interquartile range). The operators watched are those of the "
+        "micro-batches before the last (the last runs unwatched): their count per call, the "
+        "most common, and the ledger's cost per operator watched, next to what a dispatch mode "
+        "that does nothing but run each operator costs per operator (the hand-written loop "
+        "run under it): the price of seeing operators from Python at all\n"
+    )
+    print("| workload | batch | micro-batches | hand-written loop (ms) | guarded / hand-written "
+          "| ledger off / hand-written | operators watched per call | the ledger, µs per "
+          "operator watched | a do-nothing dispatch mode, µs per operator |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, size, pieces in (("mlp", 256, 2), ("mlp", 256, 4), ("conv", 64, 2),
-                               ("transformer", 64, 2)):
-        watched, unwatched = _split_step_times(name, size, pieces, rounds, steps)
-        print(f"| {name} | {size} | {pieces} | {watched * 1e3:.2f} | {unwatched * 1e3:.2f} | "
-              f"{watched / unwatched:.2f} |")
+                               ("conv", 64, 4), ("transformer", 64, 2)):
+        print(_split_rows(name, size, pieces, rounds, steps))
 
 
 def main() -> None:
@@ -598,7 +684,7 @@ def main() -> None:
     bench_retries([("mlp", 1024), ("transformer", 128)], capacities=capacities, batches=3)
     bench_peers("mlp", batches=10, size=1024)
     bench_smallest([("mlp", 1024), ("transformer", 128), ("deep mlp", 2048)])
-    bench_ledger(rounds=5 if args.quick else 15, steps=5 if args.quick else 10)
+    bench_split(rounds=10 if args.quick else 100, steps=4 if args.quick else 5)
 
 
 if __name__ == "__main__":

@@ -269,7 +269,8 @@ def test_6_batchnorm_statistics_keep_only_the_micro_batches_that_counted() -> No
 
     with pytest.warns(UserWarning, match="BatchNorm"):
         report = check_split(step, _data(16), optimizer=opt, model=model)
-    assert report, report
+    assert report.replayed, report  # (the replay; BatchNorm itself depends on the cut)
+    assert not report
     assert "BatchNorm" in " ".join(report.notes)
 
 

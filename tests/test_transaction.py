@@ -362,7 +362,7 @@ def test_a_plain_step_in_one_thread_never_meets_another_thread_s_watched_attempt
         thread.join(timeout=30)
 
 
-@pytest.mark.filterwarnings("ignore:.*BatchNorm layer")  # (it runs in micro-batches)
+@pytest.mark.filterwarnings("ignore:.*depend on how its batch is cut")  # (it runs in micro-batches)
 def test_a_piece_smaller_than_batchnorm_accepts_names_the_module_and_min_batch() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))

@@ -89,6 +89,11 @@ class _Accumulation:
         self.weight = 1.0
         self.last = False
         self.running = False
+        #: what the piece did that the engine sees (backward, optimizer and scheduler steps), in
+        #: order; every piece of a batch must do what its first did (:meth:`agree`)
+        self.events: list[str] = []
+        self.first_events: list[str] | None = None
+        self.scaling = False  # inside a GradScaler's step in the last piece
         self.in_backward = 0
         self.contributed = False  # this piece's gradients reached the buffers, or .grad the sum
         self.moving = False
@@ -147,6 +152,7 @@ class _Accumulation:
     def begin_piece(self, weight: float, last: bool) -> None:
         self.hide()
         self.weight, self.last = weight, last
+        self.events = []
         self.contributed = self.moving = False
         self.stepped.clear()
         self.running = True
@@ -154,6 +160,36 @@ class _Accumulation:
     def end_piece(self) -> None:
         self.running = False
         self.hide()
+
+    def _event(self, event: str) -> None:
+        """The piece does ``event``; in the last piece, before it happens, it must be what the
+        first piece did at that point (an optimizer step is deferred to the last piece)."""
+        self.events.append(event)
+        first = self.first_events
+        if self.last and first is not None and self.events != first[: len(self.events)]:
+            self._disagree(_rules.user_frame())
+
+    def agree(self) -> None:
+        """After a piece that succeeded: it did what the batch's first piece did."""
+        if self.first_events is None:
+            self.first_events = self.events
+        elif self.events != self.first_events:
+            self._disagree("the end of a micro-batch")
+
+    def _disagree(self, where: str) -> None:
+        first, now = self.first_events or [], self.events
+        at = next((i for i, (a, b) in enumerate(zip(first, now, strict=False)) if a != b),
+                  min(len(first), len(now)))
+        did, then = (events[at] if at < len(events) else "nothing more" for events in (now, first))
+        raise _rules.refusal(
+            self.name,
+            f"took another path in one micro-batch than in the batch's first: {did} where the "
+            f"first micro-batch did {then}", where,
+            "the step decides from Python state that a micro-batch changes (a call counter, "
+            "a flag, a list), so its micro-batches would not make the batch's one step",
+            "decide from the batch or from the call's arguments, or keep the counter outside "
+            "the decorated step (count the calls, then pass whether to step)",
+        )
 
     @property
     def dirty(self) -> bool:
@@ -171,6 +207,7 @@ class _Accumulation:
     def backward(self, real: Callable[..., Any], tensors: Any, grad_tensors: Any,
                  *args: Any, **kwargs: Any) -> Any:
         """``torch.autograd.backward`` in a piece: the root weighted by the piece's share."""
+        self._event("backward()")
         # parameters the step made require gradients (a backbone unfrozen after warm-up):
         # the graph cannot show those a reentrant checkpoint runs, so they are looked up here
         self.track(p for p in self.candidates if p.requires_grad and id(p) not in self.ids)
@@ -366,6 +403,8 @@ class _Accumulation:
                     "micro-batches; use policy='shrink' for closure-based optimizers such as LBFGS"
                 )
             self.stepped.add(id(optimizer))
+            if self.running and not self.scaling:
+                self._event(f"{type(optimizer).__name__}.step()")
             if self.running and not self.last:
                 return None
             self.merge()
@@ -384,17 +423,25 @@ class _Accumulation:
         (so its inf check covers the whole batch's gradient once)."""
         if all(scaler is not s for s in self.scalers_seen):
             self.scalers_seen.append(scaler)
+        if name == "step" and self.running and args:
+            self._event(f"{type(args[0]).__name__}.step()")  # (the step it makes, or skips)
         if not self.last:
             return None
         if name == "step":
             self.merge()
-        return real(scaler, *args, **kwargs)
+            self.scaling = True  # (its optimizer step is this event, not another)
+        try:
+            return real(scaler, *args, **kwargs)
+        finally:
+            self.scaling = False
 
     def scheduler_call(self, real: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
         """An LR scheduler's ``step`` in a piece: a scheduler given steps in the last piece
         only; any other is refused before it steps (in an early piece)."""
         given = any(scheduler is s for s in self.schedulers)
         label = type(scheduler).__name__
+        if self.running:
+            self._event(f"{label}.step()")
         if args or kwargs:
             if self.last:
                 return self._step_scheduler(real, scheduler, args, kwargs)
@@ -445,6 +492,7 @@ class _Accumulation:
         self.buffers.clear()
         self.sum_keys.clear()
         self.exposed.clear()
+        self.first_events = None
         for p in self.params:
             if id(p) in self.in_place or not self._began_with(p):
                 p.grad = None

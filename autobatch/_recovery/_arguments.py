@@ -75,24 +75,83 @@ def _count_items(value: object, name: str) -> float:
     return float(value)
 
 
-def warn_batchnorm(name: str, modules: list[nn.Module], warned: set[str]) -> None:
-    """Once per step: BatchNorm layers in training mode run in micro-batches."""
-    if "batchnorm" in warned:
+def batch_statistics(named: list[tuple[str, nn.Module]]) -> list[str]:
+    """The modules in training mode whose state or output depends on how the batch is cut,
+    by name and why: BatchNorm (statistics per micro-batch) and spectral norm (its power
+    iteration runs once per micro-batch), both APIs."""
+    found: dict[int, str] = {}
+    for prefix, top in named:
+        for name, module in top.named_modules(prefix=prefix):
+            if not module.training or id(module) in found:
+                continue
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                found[id(module)] = (
+                    f"{type(module).__name__} {name} normalises each micro-batch by its own "
+                    "statistics")
+            elif type(module).__name__ == "_SpectralNorm" or any(
+                type(hook).__name__ == "SpectralNorm" for hook in module._forward_pre_hooks.values()
+            ):
+                owner, _, held = name.partition(".parametrizations.")
+                of = f"{owner}.{held.split('.')[0]}" if held else f"{name}.weight"
+                found[id(module)] = (
+                    f"the spectral norm of {of} runs its power iteration once per micro-batch")
+    return list(found.values())
+
+
+def warn_batch_statistics(name: str, named: list[tuple[str, nn.Module]], warned: set[str]) -> None:
+    """Once per step: modules whose statistics differ per micro-batch run in micro-batches."""
+    if "statistics" in warned:
         return
-    norms = list({
-        id(m): m for top in modules for m in top.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-    }.values())
-    if norms:
-        warned.add("batchnorm")
+    found = batch_statistics(named)
+    if found:
+        warned.add("statistics")
         warnings.warn(
-            f"{name} is running in micro-batches, and {len(norms)} BatchNorm layer(s) in "
-            f"training mode ({type(norms[0]).__name__}, ...) run in it: their statistics are "
-            "computed per micro-batch, so results differ slightly from whole batches "
-            "(GroupNorm or LayerNorm do not depend on the batch)",
+            f"{name} is running in micro-batches, and {len(found)} module(s) in training mode "
+            f"depend on how its batch is cut: {'; '.join(found[:3])}"
+            f"{'; ...' if len(found) > 3 else ''}. Results differ slightly from whole batches "
+            "(GroupNorm or LayerNorm do not depend on the batch; eval() mode does not either)",
             UserWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def bare_steps(engine: Any, stepped: list[torch.optim.Optimizer], *, in_piece: bool) -> None:
+    """A step decorated without ``optimizer=`` and without ``policy=`` was seen stepping an
+    optimizer (``stepped``): remember it, and warn (once, by name) where a micro-batch of
+    the default ``policy="shrink"`` just took its own step before autobatch knew."""
+    options = engine.options
+    if options.policy_given or engine.optimizers or not stepped:
+        return
+    new = [type(o).__name__ for o in stepped if type(o).__name__ not in engine.steps_seen]
+    engine.steps_seen += new
+    if in_piece and new and "bare" not in engine.warned:
+        engine.warned.add("bare")
+        warnings.warn(
+            f"{engine.name} calls {new[0]}.step(), but retry_on_oom was given no optimizer: "
+            f"running in micro-batches, it takes {new[0]}.step() once per micro-batch (the "
+            "default without an optimizer is policy='shrink'). Pass it, retry_on_oom("
+            "optimizer=opt), for one step per batch from its micro-batches, or policy='shrink' "
+            "to say one step per micro-batch is meant",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+def refuse_bare_steps(engine: Any) -> None:
+    """A batch is about to run in micro-batches under a bare decorator on a step known to
+    step an optimizer: refused (each micro-batch would take its own optimizer step)."""
+    options = engine.options
+    if options.policy_given or engine.optimizers or not engine.steps_seen:
+        return
+    label = engine.steps_seen[0]
+    raise AutobatchError(
+        f"{engine.name} ran out of memory and would now run in micro-batches, but it calls "
+        f"{label}.step() and retry_on_oom was given no optimizer: each micro-batch would take "
+        f"its own {label}.step() (the default without an optimizer is policy='shrink'). Pass "
+        "it, retry_on_oom(optimizer=opt), for one step per batch from its micro-batches "
+        "(exact gradient accumulation), or say policy='shrink' if one step per micro-batch "
+        "is meant. Nothing of the batch was kept"
+    )
 
 
 def piece_too_small(exc: BaseException, engine: Any, n: int, total: int) -> None:

@@ -28,6 +28,7 @@ from autobatch._recovery._accumulate import _Accumulation
 from autobatch._recovery._arguments import (
     _batch_parameter,
     _modules_of,
+    bare_steps,
     warn_tuples,
 )
 from autobatch._recovery._attempt import _ATTEMPT as _CURRENT_ATTEMPT
@@ -103,6 +104,8 @@ class _Engine:
         self.keeps_gradients = self.policy == "accumulate" and not self.optimizers
         self.watch = _Watch()  # the caching allocator's retries, step by step
         self.learned = -1  # the structure epoch of the last watched call
+        #: optimizers a bare decorator's step was seen stepping (refused in micro-batches)
+        self.steps_seen: list[str] = []
         see_optimizer_steps()
 
     def coordinated(self) -> _Coordination | None:
@@ -259,6 +262,8 @@ class _Engine:
         self.calls += 1
         if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
             self._note_carried()
+        if attempt.stepped and not self.optimizers:
+            bare_steps(self, attempt.stepped, in_piece=False)
         if self.watch.step_done(self._watched()):
             self._thrashing(self._locate(args, kwargs))
         return result

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -44,10 +44,13 @@ class RecoveryOptions:
     items: ItemsFn | None = None
     scheduler: SchedulerOption = None
     additive: AdditiveOption = None
+    #: whether ``policy`` was given (a bare decorator's "shrink" is not a choice the user made)
+    policy_given: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         optimizers = self.optimizers
         _ = self.schedulers, self.additive_tensors  # checked here
+        object.__setattr__(self, "policy_given", self.policy is not None)
         if self.policy is None:
             object.__setattr__(self, "policy", "accumulate" if optimizers else "shrink")
         if self.policy not in ("accumulate", "shrink"):

@@ -24,10 +24,12 @@ from autobatch._measure import PeakKeeping, _PhasePeaks
 from autobatch._recovery._accumulate import _Accumulation, reset_scalers
 from autobatch._recovery._arguments import (
     _count_items,
+    bare_steps,
     describe_params,
     piece_too_small,
+    refuse_bare_steps,
     slice_rows,
-    warn_batchnorm,
+    warn_batch_statistics,
     warn_tuples,
 )
 from autobatch._recovery._attempt import _Attempt, _Failure, _Known, kept_by
@@ -66,6 +68,7 @@ class _Host(Protocol):
     sizes: _Sizes
     tally: _Tally
     warned: set[str]
+    steps_seen: list[str]
     keeps_gradients: bool
 
     def coordinated(self) -> _Coordination | None: ...
@@ -84,6 +87,8 @@ class _Host(Protocol):
     ) -> tuple[tuple[Any, ...], dict[str, Any]]: ...
 
     def accumulation(self) -> _Accumulation: ...
+
+    def named_modules_known(self) -> list[tuple[str, nn.Module]]: ...
 
     def lost(self, samples: int) -> None: ...
 
@@ -199,6 +204,7 @@ class _BatchRun:
         n = engine.next_piece(self.key, self.eps, total - done, self.memory, coord)
         if n < total and not self.split:
             self.split = True
+            refuse_bare_steps(engine)  # (one optimizer step per micro-batch, unasked)
             warn_tuples(engine.name, self.batch, engine.warned)
             options = engine.options
             if options.items is not None and options.reduction == "mean":
@@ -246,7 +252,9 @@ class _BatchRun:
                 session.end_piece()
         del args, kwargs, piece
         if n < total:
-            warn_batchnorm(engine.name, [*engine.known.modules, *ledger.batchnorms], engine.warned)
+            warn_batch_statistics(engine.name, [
+                *engine.named_modules_known(), *(("", m) for m in ledger.batchnorms)
+            ], engine.warned)
         if coord is not None:
             codes = coord.finish(_distributed.OK if failure is None else _distributed.OOM)
             if max(codes) == _distributed.FAILED:
@@ -256,6 +264,10 @@ class _BatchRun:
         if failure is None:
             if (whole is not None and whole.ours_stepped) or (watched and ledger.stepped):
                 self.stepped = True
+            if whole is not None and whole.stepped:
+                bare_steps(engine, whole.stepped, in_piece=n < total)
+            if session is not None:
+                session.agree()  # (before the last piece's end: nothing stepped if it differs)
             if early:
                 assert session is not None
                 ledger.check_piece(session.params, session.unfolded)
