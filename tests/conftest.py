@@ -32,12 +32,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def frozen_heap() -> Iterator[None]:
     """What the process holds before a module's tests, frozen out of garbage collection: the
     guard calls gc.collect() after every OOM (and a framework after training), which would
     walk every object of a process that imported torch and a framework, a fifth of a second
-    each time; frozen, it scans only what the tests made."""
+    each time; frozen, it scans only what the tests made. For every module."""
     gc.collect()
     gc.freeze()
     yield

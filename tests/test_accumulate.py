@@ -729,6 +729,7 @@ def test_first_step_refusal_says_what_happened(foreach: bool) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("frozen_heap")  # (every OOM collects garbage: 160 of them)
 def test_history_is_a_bounded_window_with_counters() -> None:
     limit = [6]
 

@@ -18,6 +18,8 @@ from torch import nn
 from autobatch._recovery import oom_guard, retry_on_oom
 
 FAST = settings(max_examples=40, deadline=None)
+#: every OOM collects garbage (free_memory): frozen, only what the tests made is walked
+pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 
 def _oom() -> torch.OutOfMemoryError:
