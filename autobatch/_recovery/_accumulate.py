@@ -40,7 +40,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from autobatch._errors import AutobatchError
-from autobatch._recovery import _ledger, _rules
+from autobatch._recovery import _inspect, _ledger, _rules
 from autobatch._recovery._patches import Patch, backward_handler, split_standins
 
 
@@ -167,7 +167,7 @@ class _Accumulation:
         self.events.append(event)
         first = self.first_events
         if self.last and first is not None and self.events != first[: len(self.events)]:
-            self._disagree(_rules.user_frame())
+            self._disagree(_inspect.user_frame())
 
     def agree(self) -> None:
         """After a piece that succeeded: it did what the batch's first piece did."""
@@ -219,11 +219,11 @@ class _Accumulation:
                 "do here. Call backward() on the loss tensor, or use policy='shrink'"
             )
         inputs = kwargs.get("inputs")
-        leaves = _rules.leaves(roots) if inputs is None else list(
+        leaves = _inspect.leaves(roots) if inputs is None else list(
             [inputs] if isinstance(inputs, torch.Tensor) else inputs
         )
         fresh = [p for p in leaves if id(p) not in self.ids and isinstance(p, torch.nn.Parameter)]
-        hooked = _rules.gradient_hooks([  # (every tracked one: a reentrant checkpoint hides
+        hooked = _inspect.gradient_hooks([  # (every tracked one: a reentrant checkpoint hides
             *self.params, *fresh])             # its parameters from the graph)
         if hooked:
             ledger = _ledger.watching()
@@ -232,7 +232,7 @@ class _Accumulation:
                 self.name,
                 f"backpropagates into {name} ({tuple(hooked[0].shape)}), which has a gradient "
                 "hook (register_hook)",
-                _rules.user_frame(),
+                _inspect.user_frame(),
                 "the hook would run on each micro-batch's part of the gradient instead of on "
                 "the batch's (a clamp or a norm of parts is not the part of a clamp or a norm)",
                 "do the hook's work between backward() and optimizer.step() (for clipping, "
@@ -252,7 +252,7 @@ class _Accumulation:
                 [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else
                 list(grad_tensors) if grad_tensors is not None else [None] * len(roots)
             )
-            with _rules.engine_work():
+            with _inspect.engine_work():
                 grad_tensors = [
                     torch.full_like(t, self.weight) if g is None else g * self.weight
                     for t, g in zip(roots, grads, strict=True)
@@ -270,15 +270,15 @@ class _Accumulation:
         """The step is about to assign ``p.grad`` (not to ``None``): refused in an early piece,
         where autobatch holds the gradients itself (the assignment would bypass their weighting
         and their sum), before it happens."""
-        if self.last or id(p) not in self.ids or _rules._engine_busy():
+        if self.last or id(p) not in self.ids or _inspect._engine_busy():
             return
-        if _rules._from_distributed():  # (FSDP2 setting its sharded gradients)
+        if _inspect._from_distributed():  # (FSDP2 setting its sharded gradients)
             return
         ledger = _ledger.watching()
         name = ledger.name_of(p) if ledger is not None else "a parameter"
         raise _rules.refusal(
             self.name, f"set the gradient of {name} ({tuple(p.shape)}) itself",
-            _rules.user_frame(),
+            _inspect.user_frame(),
             "autobatch weights and adds the gradients that backward() accumulates; a gradient "
             "assigned to .grad (after torch.autograd.grad, or gradient surgery) cannot be "
             "weighted per micro-batch, so only the last micro-batch's would count",
@@ -305,7 +305,7 @@ class _Accumulation:
             raise _rules.refusal(
                 self.name,
                 f"backpropagated into a parameter of {label} after {label}.step() in the same "
-                "step", _rules.user_frame(),
+                "step", _inspect.user_frame(),
                 "the step interleaves optimizers (as a GAN's discriminator, then generator, "
                 "does); in micro-batches the early pieces would run before that update",
                 "decorate each optimizer's part as its own function, or use policy='shrink'",
@@ -314,7 +314,7 @@ class _Accumulation:
             self.contributed = True  # the sum in .grad now holds part of this piece
         if id(p) in self.unfolded:  # (every in-place parameter among them)
             return
-        with _rules.engine_work():
+        with _inspect.engine_work():
             if self.last:
                 buffer = self.buffers.pop(id(p), None)
                 if buffer is not None:
@@ -344,7 +344,7 @@ class _Accumulation:
         else:
             buffer = _add(buffer, grad)
         self.buffers[id(p)] = buffer
-        self.sum_keys.add(_rules._key(buffer))
+        self.sum_keys.add(_inspect._key(buffer))
         if self.show_sums:
             p.grad = buffer
             self.exposed.add(id(p))
@@ -359,7 +359,7 @@ class _Accumulation:
     def hide(self) -> None:
         """Take the sums so far out of ``.grad`` (before a backward, or between pieces)."""
         self.exposed.clear()
-        with _rules.engine_work():
+        with _inspect.engine_work():
             for p in self.params:
                 grad = p.grad
                 if grad is not None and grad is self.buffers.get(id(p)):
@@ -368,7 +368,7 @@ class _Accumulation:
     def stash(self) -> None:
         """Move the piece's gradients into the buffers (early pieces)."""
         self.moving = True
-        with _rules.engine_work():
+        with _inspect.engine_work():
             for p in self.params:
                 grad = p.grad
                 if grad is None or id(p) in self.in_place or grad is self.buffers.get(id(p)):
@@ -382,7 +382,7 @@ class _Accumulation:
         if not self.buffers:
             return
         self.moving = True
-        with _rules.engine_work():
+        with _inspect.engine_work():
             for p in self.params:
                 buffer = None if id(p) in self.in_place else self.buffers.pop(id(p), None)
                 if buffer is not None:
@@ -446,7 +446,7 @@ class _Accumulation:
             if self.last:
                 return self._step_scheduler(real, scheduler, args, kwargs)
             raise _rules.refusal(
-                self.name, f"called {label}.step() with arguments", _rules.user_frame(),
+                self.name, f"called {label}.step() with arguments", _inspect.user_frame(),
                 "its arguments (a loss, say) are the micro-batch's, not the batch's",
                 f"call {label}.step(...) after the decorated step returns",
             )
@@ -458,7 +458,7 @@ class _Accumulation:
             return self._step_scheduler(real, scheduler, args, kwargs)
         raise _rules.refusal(
             self.name, f"called {label}.step(), a scheduler autobatch was not given",
-            _rules.user_frame(),
+            _inspect.user_frame(),
             "it would step once per micro-batch instead of once per batch",
             "pass it: retry_on_oom(optimizer=opt, scheduler=sched) (it then steps once per "
             "batch, in the last micro-batch), or step it after the decorated step returns",
@@ -520,7 +520,7 @@ def reset_scalers(
     found: dict[int, Any] = {id(s): s for s in (
         *(session.scalers_seen if session is not None else ()), *(() if given is None else (given,))
     )}
-    for _, value in _rules.reachable(fn):
+    for _, value in _inspect.reachable(fn):
         if isinstance(value, torch.amp.GradScaler):
             found.setdefault(id(value), value)
     for scaler in found.values():

@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from autobatch._errors import AutobatchError
 from autobatch._oom import MAX_CHAIN_DEPTH
-from autobatch._recovery import _rules
+from autobatch._recovery import _inspect
 from autobatch._recovery._backups import Backups
 from autobatch._recovery._patches import backward_handler
 from autobatch._recovery._rules import Kind, Seen
@@ -192,7 +192,7 @@ class _Known:
         for module in self.modules:
             self._add_params(module.parameters())
             self.compiled = self.compiled or _is_compiled(module)
-            self.metrics += [m for m in module.modules() if _rules._is_metric(m)
+            self.metrics += [m for m in module.modules() if _inspect._is_metric(m)
                              and all(m is not k for k in self.metrics)]
 
     def add_module(self, module: nn.Module) -> None:
@@ -202,7 +202,7 @@ class _Known:
         self.modules.append(module)
         self._add_params(module.parameters())
         self.compiled = self.compiled or _is_compiled(module)
-        self.metrics += [m for m in module.modules() if _rules._is_metric(m)
+        self.metrics += [m for m in module.modules() if _inspect._is_metric(m)
                          and all(m is not k for k in self.metrics)]
 
     def learn(self, written: list[tuple[Kind, torch.Tensor]]) -> None:
@@ -217,14 +217,14 @@ class _Known:
                 continue
             if kind is Kind.METRIC:
                 continue  # (metric states are saved whole)
-            key = _rules._key(tensor)
+            key = _inspect._key(tensor)
             if key in self.changing_keys or tensor.is_sparse:
                 continue
             self.changing_keys.add(key)
             self.changing.append(tensor)
             added = True
         if added:
-            with torch.no_grad(), _rules.engine_work():
+            with torch.no_grad(), _inspect.engine_work():
                 self.shadows = [torch.empty_like(t) for t in self.changing]
             self.graphless = not any(t.requires_grad for t in self.changing)
 
@@ -242,7 +242,7 @@ class _Known:
             else:
                 with torch.no_grad(), _disable_current_modes():  # (allocates nothing)
                     torch._foreach_copy_(self.shadows, self.changing)
-        metrics = [_rules._metric_state(m) for m in self.metrics]
+        metrics = [_inspect._metric_state(m) for m in self.metrics]
         return self.changing, self.shadows, metrics
 
     @staticmethod
@@ -252,7 +252,7 @@ class _Known:
             with torch.no_grad(), _disable_current_modes():
                 torch._foreach_copy_(changing, shadows)
         for metric in metrics:
-            _rules._put_metric(metric)
+            _inspect._put_metric(metric)
 
 
 _Shadows = tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]
@@ -465,9 +465,9 @@ class _Attempt:
         """The storages of the state this attempt copied before it ran (put back after it
         failed): what the ledger need not refuse when the batch runs again."""
         known = self.engine.known
-        kept = set() if self.light else {_rules._key(t) for t in known.changing}
+        kept = set() if self.light else {_inspect._key(t) for t in known.changing}
         if self.batch_versions is not None:
-            kept.update(_rules._key(t) for t, _ in self.batch_versions)
+            kept.update(_inspect._key(t) for t, _ in self.batch_versions)
         return kept
 
     def explain(self, error: BaseException) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch._recovery._rules import _key, engine_work, host_copy
+from autobatch._recovery._inspect import _key, engine_work, host_copy
 
 _View = tuple[int, int, tuple[int, ...], tuple[int, ...]]
 

@@ -48,18 +48,9 @@ from autobatch._accounting import (
 from autobatch._backends import restore_rng_states, save_rng_states
 from autobatch._recovery import _attempt
 from autobatch._recovery._backups import Backups
-from autobatch._recovery._patches import backward_handler, running_split
-from autobatch._recovery._rules import (
+from autobatch._recovery._inspect import (
     _BUSY,
-    CHECKS,
-    RULES,
-    Edge,
-    Kind,
-    Seen,
-    Verdict,
-    Write,
     _compiled,
-    _describe,
     _forward_module,
     _from_distributed,
     _hyperparameters,
@@ -69,9 +60,20 @@ from autobatch._recovery._rules import (
     _put_metric,
     _search,
     leaves,
+    user_frame,
+)
+from autobatch._recovery._patches import backward_handler, running_split
+from autobatch._recovery._rules import (
+    CHECKS,
+    RULES,
+    Edge,
+    Kind,
+    Seen,
+    Verdict,
+    Write,
+    _describe,
     refusal,
     unseen_write,
-    user_frame,
 )
 
 #: Kinds of state a failed unwatched attempt may have changed without a copy to put back.
