@@ -52,13 +52,22 @@ def _batch_parameter(
 
 
 def _modules_of(fn: Callable[..., Any]) -> dict[str, nn.Module]:
-    """Modules the step function refers to by name (globals and closure), by that name."""
+    """Modules the step function refers to by name (globals and closure, and a method's
+    ``self`` and what it holds as attributes), by that name."""
     try:
         names = inspect.getclosurevars(inspect.unwrap(fn))
     except (TypeError, ValueError):
         return {}
     values = {**names.globals, **names.nonlocals}
-    return {name: v for name, v in values.items() if isinstance(v, nn.Module)}
+    found = {name: v for name, v in values.items() if isinstance(v, nn.Module)}
+    owner = getattr(inspect.unwrap(fn), "__self__", None)
+    if isinstance(owner, nn.Module):
+        found.setdefault("self", owner)
+    elif isinstance(getattr(owner, "__dict__", None), dict):
+        for name, held in list(vars(owner).items())[:256]:
+            if isinstance(held, nn.Module):
+                found.setdefault(f"self.{name}", held)
+    return found
 
 
 def _count_items(value: object, name: str) -> float:

@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from autobatch._errors import AutobatchError
 from autobatch._oom import MAX_CHAIN_DEPTH
 from autobatch._recovery import _inspect
-from autobatch._recovery._backups import Backups
+from autobatch._recovery._backups import Backups, _Kept
 from autobatch._recovery._patches import backward_handler
 from autobatch._recovery._rules import Kind, Seen
 
@@ -464,8 +464,14 @@ class _Attempt:
     def kept(self) -> set[int]:
         """The storages of the state this attempt copied before it ran (put back after it
         failed): what the ledger need not refuse when the batch runs again."""
-        known = self.engine.known
-        kept = set() if self.light else {_inspect._key(t) for t in known.changing}
+        kept: set[int] = set()
+        saved = self.undo.entries.get("known")  # (what it copied as it began)
+        if isinstance(saved, _Kept):
+            changing, _, metrics = saved.value
+            kept.update(_inspect._key(t) for t in changing)
+            for metric, states, _ in metrics:
+                kept.update(_inspect._key(t) for name in states
+                            if isinstance(t := getattr(metric, name, None), torch.Tensor))
         if self.batch_versions is not None:
             kept.update(_inspect._key(t) for t, _ in self.batch_versions)
         return kept

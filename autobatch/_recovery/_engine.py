@@ -385,6 +385,10 @@ class _Engine:
             return self._whole(args, kwargs, batch, str(error), failure)
         if total == 0:
             return self._whole(args, kwargs, batch, "it has no rows", failure)
+        for name, module in _modules_of(self.fn).items():  # (a metric made anew each epoch)
+            if id(module) not in self.known.module_ids:
+                self.named[name] = module
+                self.known.add_module(module)
         learning = self.calls == 0 or self.learned != structure_epoch()
         if learning:
             self._discover(args)

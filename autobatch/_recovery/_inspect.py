@@ -130,7 +130,8 @@ _METRIC_PRIVATE = ("_update_count", "_computed", "_forward_cache")
 
 
 def _metric_state(metric: nn.Module) -> tuple[nn.Module, dict[str, Any], tuple[Any, ...]]:
-    with engine_work(), torch.no_grad():
+    """A copy of a metric's state (the engine's own: no dispatch mode sees it)."""
+    with engine_work(), torch.no_grad(), _disable_current_modes():
         states = {}
         for name in getattr(metric, "_defaults", {}):
             value = getattr(metric, name)

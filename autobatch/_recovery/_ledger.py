@@ -77,7 +77,7 @@ from autobatch._recovery._rules import (
 )
 
 #: Kinds of state a failed unwatched attempt may have changed without a copy to put back.
-_UNSEEN_KINDS = frozenset({Kind.BUFFER, Kind.ADDITIVE, Kind.OTHER, Kind.BATCH})
+_UNSEEN_KINDS = frozenset({Kind.BUFFER, Kind.ADDITIVE, Kind.OTHER, Kind.BATCH, Kind.METRIC})
 
 #: Ledgers watching an attempt now, by thread, innermost last.
 _WATCHING: dict[int, list[Ledger]] = {}
@@ -312,9 +312,10 @@ class Ledger:
         metrics: dict[int, nn.Module] = {}
         opaque: dict[int, torch.Tensor] = {}
         for prefix, module in host.named_modules_known():
-            for sub in module.modules():
+            for path, sub in module.named_modules(prefix=prefix):
                 if _is_metric(sub):
                     metrics[id(sub)] = sub
+                    names.setdefault(id(sub), path)
                 if _compiled(sub):
                     opaque.update((id(b), b) for b in sub.buffers() if b is not None)
             for name, p in module.named_parameters():
@@ -353,7 +354,7 @@ class Ledger:
         for metric in self.metrics:
             for name in getattr(metric, "_defaults", {}):
                 for t in _tensors((getattr(metric, name, None),)):
-                    index[_key(t)] = (Kind.METRIC, f"{type(metric).__name__}.{name}")
+                    index[_key(t)] = (Kind.METRIC, f"{names.get(id(metric), 'a metric')}.{name}")
         for i, t in enumerate(host.additive):
             for inner in _tensors((t,)):
                 index[_key(inner)] = (Kind.ADDITIVE, f"additive[{i}]")
