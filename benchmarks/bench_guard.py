@@ -58,10 +58,11 @@ def _per_step(fn: Callable[[], None], steps: int) -> float:
 
 def _interleaved(
     plain: Callable[[Batch], Any], guarded: Callable[[Batch], Any], batches: list[Batch],
-    rounds: int, steps: int,
+    rounds: int, steps: int, *, guard: bool = True,
 ) -> tuple[float, float, tuple[float, float]]:
     """``guarded``'s overhead over ``plain``, step by step: in each round a plain loop and a
-    guarded loop (``guarded`` called on what ``oom_guard`` hands out) advance together, one step
+    guarded loop (``guarded`` called on what ``oom_guard`` hands out, or, without ``guard``,
+    on the batches themselves) advance together, one step
     of each in turn, in the order plain-guarded, guarded-plain, ... (so that neither always runs
     second on warm caches); each step's thread CPU time includes taking its batch from its
     loader. Returns the median over rounds of (relative, seconds per step), and the
@@ -71,8 +72,10 @@ def _interleaved(
     for _ in range(rounds + 1):  # (the first round warms up)
         loader = (batches[i % len(batches)] for i in range(steps))
         plain_total = guarded_total = 0
-        with oom_guard(batches[i % len(batches)] for i in range(steps)) as guard:
-            handed = iter(guard)
+        with contextlib.ExitStack() as stack:
+            handed = iter(stack.enter_context(oom_guard(
+                batches[i % len(batches)] for i in range(steps)
+            ))) if guard else (batches[i % len(batches)] for i in range(steps))
             for i in range(steps):
                 for first in ((True, False) if i % 2 == 0 else (False, True)):
                     start = clock()
@@ -124,6 +127,8 @@ def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
     opt.zero_grad()  # (gradients left behind would be carried by the no-op step: not bare)
     _, fixed, _ = _interleaved(noop, guarded_noop, batches, rounds, steps)
     relative, absolute, spread = _interleaved(step, guarded, batches, rounds, steps)
+    alone, alone_absolute, alone_spread = _interleaved(
+        step, guarded, batches, rounds, steps, guard=False)
     opt.zero_grad()
     guarded_backward(batches[0])  # gradients carried from now on
     backward_relative, backward_absolute, backward_spread = _interleaved(
@@ -133,6 +138,9 @@ def _overhead_rows(name: str, size: int, rounds: int, steps: int) -> list[str]:
     opt.zero_grad()
     return [
         f"| {name}, batch {size} | plain step (min) | {plain_time * 1e6:.1f} | |",
+        f"| {name}, batch {size} | the same step, @retry_on_oom(optimizer=opt) alone"
+        f" | {alone_absolute * 1e6:+.1f} | {alone:+.2%} ({alone_spread[0]:+.2%} to "
+        f"{alone_spread[1]:+.2%}) |",
         f"| {name}, batch {size} | the same step, @retry_on_oom(optimizer=opt) inside oom_guard"
         f" | {absolute * 1e6:+.1f} | {relative:+.2%} ({spread[0]:+.2%} to {spread[1]:+.2%}) |",
         f"| {name}, batch {size} | guard + decorator around a no-op step (the bare machinery) | "
