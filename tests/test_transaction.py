@@ -447,7 +447,7 @@ class _Counting(nn.Module):
 
 
 @pytest.mark.parametrize("change", ["buffer replaced", "new head with BatchNorm"])
-@pytest.mark.parametrize("fault", ["forward", "backward"])
+@pytest.mark.parametrize("fault", ["forward", "backward", "optimizer"])
 def test_state_first_written_on_a_later_call_is_put_back_after_a_fast_path_oom(
     change: str, fault: str
 ) -> None:
@@ -476,7 +476,7 @@ def test_state_first_written_on_a_later_call_is_put_back_after_a_fast_path_oom(
                     opt.add_param_group({"params": list(model.head.parameters())})
             batch = _data(call)
             if guard and call == 4:
-                with warnings.catch_warnings(), inject_oom(phase=fault, at_op=4):
+                with warnings.catch_warnings(), inject_oom(phase=fault, at_op=1 if fault == "optimizer" else 4):
                     warnings.simplefilter("ignore")  # (BatchNorm in micro-batches)
                     run(batch)
             else:
@@ -512,7 +512,9 @@ class _Trainer:
         self.opt.zero_grad()
 
 
+@pytest.mark.parametrize("fault", FAULTS)
 def test_state_outside_the_modules_first_written_later_is_refused_saying_it_may_stay_changed(
+    fault: str,
 ) -> None:
     """A running sum started after warm-up in a plain attribute: the fast path has no copy of
     it, so after a whole-batch OOM that followed its update the retry is refused, naming it
@@ -526,7 +528,7 @@ def test_state_outside_the_modules_first_written_later_is_refused_saying_it_may_
     step(_data(2))
     params = [p.detach().clone() for p in trainer.model.parameters()]
     batch = _data(3)
-    with _faults()["backward after gradients landed"](), pytest.raises(
+    with _faults()[fault](), pytest.raises(
         AutobatchError, match=r"self\.running \(\(\) float64\).*may stay changed"
     ):
         step(batch)

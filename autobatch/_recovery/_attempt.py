@@ -377,13 +377,16 @@ class _Attempt:
         (``carry``; not under a process group, whose backward reduces what ``.grad`` holds,
         unless the step is known to carry gradients across calls)."""
         self.params = params
-        self.undo = Backups()
+        self.undo = undo = Backups()
         grads = [p.grad for p in params]
-        if all(g is None for g in grads):  # (the common case; list.count would compare tensors)
-            self.undo.keep("gradients", (params, grads), _put_gradients)
+        for g in grads:  # (a plain loop: the common case has none, on every step)
+            if g is not None:
+                break
+        else:
+            undo.entries["gradients"] = _Kept(_put_gradients, (params, grads))
             self.carried = self.versions_carried = _NOTHING
             return
-        self.undo.keep("gradients", (params, [
+        undo.keep("gradients", (params, [
             None if g is None else weakref.ref(g) for g in grads]), _put_gradients)
         known = self.engine.known
         if not (carry or known.carries) or (known.drops_first >= 3 and not known.carries):

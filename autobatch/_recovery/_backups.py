@@ -8,7 +8,6 @@ batches each hold one."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,21 +30,24 @@ def _view(tensor: torch.Tensor) -> _View:
 HOST_BACKUP_BYTES = 2**20
 
 
-@dataclass(frozen=True)
 class _Kept:
     """A value saved with the function that puts it back."""
 
-    put: Callable[[Any], None]
-    value: Any
+    __slots__ = ("put", "value")
+
+    def __init__(self, put: Callable[[Any], None], value: Any) -> None:
+        self.put, self.value = put, value
 
 
-@dataclass
 class Backups:
     """Keyed entries, put back in reverse order: ``(tensor, copy)`` under the tensor's view,
-    or a :class:`_Kept` under a key of the saver's."""
+    or a :class:`_Kept` under a key of the saver's. (Made on every step of the fast path:
+    a plain class.)"""
 
-    entries: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | _Kept] = field(
-        default_factory=dict)
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: dict[Hashable, tuple[torch.Tensor, torch.Tensor] | _Kept] = {}
 
     def take(self, tensor: torch.Tensor, copy: torch.Tensor | None = None) -> torch.Tensor:
         view = _view(tensor)

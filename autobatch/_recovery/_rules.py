@@ -182,6 +182,13 @@ REFUSED: tuple[str, ...] = (
     "an OOM after an optimizer step began changing parameters (except inside an optimizer's "
     "first step, before any parameter changed, which is retried): the update stays applied, "
     "and the step is not retried",
+    "a micro-batch that takes another path than the batch's first (another number of "
+    "`backward()` calls, an optimizer, scaler or scheduler step the first did not take): a "
+    "Python counter in the step (`self.calls += 1; if self.calls % 2 == 0: opt.step()`), a "
+    "branch on a micro-batch's values",
+    "a bare `@retry_on_oom` (no `optimizer=`, no `policy=`) on a step known to call "
+    "`optimizer.step()`: each micro-batch would take its own step (where the first sign of it "
+    "is a micro-batch's step, a warning names the optimizer instead)",
 )
 
 
