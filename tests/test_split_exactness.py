@@ -407,7 +407,7 @@ def test_12_python_side_effects_run_once_per_piece_and_attempt_as_documented() -
         step(_data(8))
     assert calls == [8, 4, 4]  # the failed whole batch, then two pieces
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("What a split step cannot see", 1)[1].split("`policy=", 1)[0]
+    section = readme.split("What a split step cannot see", 1)[1].split("**Threads.**", 1)[0]
     assert "Python side effects" in section
     assert "Dropout" in section
 
