@@ -111,3 +111,41 @@ def test_14_an_oom_just_before_an_fsdp2_clip_grad_norm_does_not_stall_the_other_
     assert zero["ooms"] == one["ooms"] == 1
     assert zero["full"] == one["full"]
     assert max(zero["seconds"], one["seconds"]) < 25  # no rank waited for the timeout
+
+
+def _ddp_disagreeing_pieces(rank: int) -> dict[str, Any]:
+    """A DDP step whose micro-batches take different paths on rank 1 only (a branch on the
+    micro-batch's values): that rank refuses, and the other must hear of it, not wait."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
+    if rank == 1:
+        batch[4:, 0] = 100.0  # its second micro-batch takes the other branch
+
+    def step(batch: torch.Tensor) -> None:
+        if len(batch) > 4:
+            raise OOM_KINDS["cuda"]()  # (every rank: the batch runs in two micro-batches)
+        opt.zero_grad()
+        model(batch).square().mean().backward()
+        if not bool(batch[0, 0] > 50):  # (the last micro-batch skips the step: seen only at
+            opt.step()                  # its end, after the ranks' vote on the piece)
+
+    run = autobatch.retry_on_oom(step, optimizer=opt)
+    start = time.monotonic()
+    error = None
+    try:
+        run(batch)
+    except autobatch.AutobatchError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def test_micro_batches_disagreeing_on_one_rank_stop_every_rank_promptly(tmp_path: Path) -> None:
+    zero, one = run_ranks(_ddp_disagreeing_pieces, 2, tmp_path, timeout=120, pg_timeout=30)
+    assert one["error"] is not None, one
+    assert "another path" in one["error"], one
+    assert zero["error"] is not None, zero  # (told by rank 1, not left waiting)
+    assert max(zero["seconds"], one["seconds"]) < 25  # no rank waited for the timeout

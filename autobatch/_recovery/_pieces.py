@@ -240,6 +240,8 @@ class _BatchRun:
                 ) if watched else contextlib.nullcontext()
             ):
                 result = engine.fn(*args, **kwargs)
+                if session is not None:  # (as part of the piece: other ranks hear of it)
+                    session.agree()
         except BaseException as exc:
             failure = engine.capture(exc)
             if failure is None:
@@ -266,8 +268,6 @@ class _BatchRun:
                 self.stepped = True
             if whole is not None and whole.stepped:
                 bare_steps(engine, whole.stepped, in_piece=n < total)
-            if session is not None:
-                session.agree()  # (before the last piece's end: nothing stepped if it differs)
             if early:
                 assert session is not None
                 ledger.check_piece(session.params, session.unfolded)
