@@ -7,6 +7,7 @@ and make ``check_split`` false."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,6 +32,18 @@ def _data(call: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def _sgd_step(model: nn.Module) -> tuple[torch.optim.Optimizer, Callable[[Any], None]]:
+    """An SGD optimizer for ``model`` and a plain step that zeroes, backpropagates and steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        opt.step()
+
+    return opt, step
 
 
 def _state(model: nn.Module) -> list[torch.Tensor | None]:
@@ -133,14 +146,7 @@ def test_a_bare_decorator_on_a_step_seen_stepping_is_refused_before_it_splits() 
     """@retry_on_oom without optimizer= took one optimizer step per micro-batch (params off by
     0.45 after one batch), with nothing said."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @retry_on_oom
-    def step(batch: Any) -> None:
-        opt.zero_grad()
-        _loss(model, batch).backward()
-        opt.step()
-
+    step = retry_on_oom(_sgd_step(model)[1])
     step(_data(0))
     before = _state(model)
     with inject_oom(batch_over=4), pytest.raises(
@@ -151,29 +157,13 @@ def test_a_bare_decorator_on_a_step_seen_stepping_is_refused_before_it_splits() 
 
 
 def test_a_bare_decorator_stepping_first_in_a_micro_batch_is_warned_by_name() -> None:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @retry_on_oom
-    def step(batch: Any) -> None:
-        opt.zero_grad()
-        _loss(model, batch).backward()
-        opt.step()
-
+    step = retry_on_oom(_sgd_step(_model())[1])
     with inject_oom(batch_over=4), pytest.warns(UserWarning, match=r"SGD\.step\(\) once per"):
         step(_data(0))
 
 
 def test_an_explicit_shrink_policy_steps_once_per_micro_batch_without_a_word() -> None:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @retry_on_oom(policy="shrink")
-    def step(batch: Any) -> None:
-        opt.zero_grad()
-        _loss(model, batch).backward()
-        opt.step()
-
+    step = retry_on_oom(_sgd_step(_model())[1], policy="shrink")
     step(_data(0))
     with warnings.catch_warnings(), inject_oom(batch_over=4):
         warnings.simplefilter("error")
@@ -198,13 +188,7 @@ def test_check_split_is_false_for_statistics_that_depend_on_the_cut_and_names_wh
     kind: str
 ) -> None:
     model = _normed(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(batch: Any) -> None:
-        opt.zero_grad()
-        _loss(model, batch).backward()
-        opt.step()
-
+    opt, step = _sgd_step(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the warning is the next test's)
         report = check_split(step, _data(0), optimizer=opt, model=model,
@@ -221,14 +205,8 @@ def test_a_split_warns_of_each_module_whose_statistics_depend_on_the_cut_by_name
     kind: str
 ) -> None:
     model = _normed(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    @retry_on_oom(optimizer=opt, model=model)
-    def step(batch: Any) -> None:
-        opt.zero_grad()
-        _loss(model, batch).backward()
-        opt.step()
-
+    opt, plain = _sgd_step(model)
+    step = retry_on_oom(plain, optimizer=opt, model=model)
     name = "BatchNorm1d model.1" if kind == "batchnorm" else r"spectral norm of model\.0\.weight"
     with inject_oom(batch_over=4), pytest.warns(UserWarning, match=name):
         step(_data(0))

@@ -428,6 +428,13 @@ def test_a_grad_scaler_is_reset_after_a_failed_attempt_with_or_without_scaler(
     _assert_same(train(True), train(False))
 
 
+def _assert_untouched(model: nn.Module, params: list[torch.Tensor]) -> None:
+    """After a refused call: every parameter as before, and no gradient left behind."""
+    for p, q in zip(model.parameters(), params, strict=True):
+        assert torch.equal(p, q)
+        assert p.grad is None
+
+
 # State first written on a later call ----------------------------------------------------------
 
 
@@ -532,9 +539,7 @@ def test_state_outside_the_modules_first_written_later_is_refused_saying_it_may_
         AutobatchError, match=r"self\.running \(\(\) float64\).*may stay changed"
     ):
         step(batch)
-    for p, q in zip(trainer.model.parameters(), params, strict=True):
-        assert torch.equal(p, q)
-        assert p.grad is None
+    _assert_untouched(trainer.model, params)
 
 
 class _Epochs:
@@ -573,9 +578,7 @@ def test_a_metric_the_loop_re_creates_is_refused_by_name_with_the_rest_unchanged
         AutobatchError, match=r"self\.metric\.\w+ .*may stay changed"
     ):
         step(batch)
-    for p, q in zip(trainer.model.parameters(), params, strict=True):
-        assert torch.equal(p, q)
-        assert p.grad is None
+    _assert_untouched(trainer.model, params)
     step(_data(3))  # learned: copied on the fast path from now on
     batch = _data(4)
     with _faults()[fault]():

@@ -256,7 +256,10 @@ def _run_schedule(
     result: Any = None
     for done in earlier or ([batch] if fast else []):
         # clean calls first (one, at least, for the OOM on the fast path)
-        done() if callable(done) else decorated(done)
+        if callable(done):
+            done()
+        else:
+            decorated(done)
     pieces.clear()
     before = world.capture(None)
     try:
@@ -275,7 +278,10 @@ def _run_schedule(
     # The truth: the unsplit step (each BatchNorm layer on the same pieces, in order).
     world.load(start)
     for done in earlier or ([batch] if fast else []):
-        done() if callable(done) else step(done)
+        if callable(done):
+            done()
+        else:
+            step(done)
     with world.ghost_batchnorm(_final_pieces(pieces, total)):
         truth_result = step(batch)
     truth = world.capture(truth_result)

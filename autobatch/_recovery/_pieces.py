@@ -69,7 +69,6 @@ class _Host(Protocol):
     tally: _Tally
     warned: set[str]
     steps_seen: list[str]
-    keeps_gradients: bool
 
     def coordinated(self) -> _Coordination | None: ...
 
