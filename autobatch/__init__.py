@@ -17,7 +17,7 @@ from autobatch._lengths import search_batch_sizes
 from autobatch._oom import is_oom_error, is_size_limit_error
 from autobatch._planner import Plan, PlanBreakdown, plan_max_batch
 from autobatch._plot import plot
-from autobatch._recovery import RecoveryStats, oom_guard, retry_on_oom
+from autobatch._recovery import RecoveryStats, embed_in_pieces, oom_guard, retry_on_oom
 from autobatch._result import LengthTable, SearchResult, ThroughputResult
 from autobatch._throughput import find_best_batch
 from autobatch._version import __version__ as __version__
@@ -31,6 +31,7 @@ __all__ = [
     "RecoveryStats",
     "SearchResult",
     "ThroughputResult",
+    "embed_in_pieces",
     "find_best_batch",
     "find_max_batch",
     "free_memory",

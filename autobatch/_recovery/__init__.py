@@ -52,6 +52,7 @@ pieces' results cannot be joined, the list of them is returned.
 from __future__ import annotations
 
 from autobatch._recovery._decorator import RetryingStep, retry_on_oom
+from autobatch._recovery._embed import embed_in_pieces
 from autobatch._recovery._guard import oom_guard
 from autobatch._recovery._options import RecoveryOptions
 from autobatch._recovery._records import RecoveryStats, SizeChange
@@ -61,6 +62,7 @@ __all__ = [
     "RecoveryStats",
     "RetryingStep",
     "SizeChange",
+    "embed_in_pieces",
     "oom_guard",
     "retry_on_oom",
 ]

@@ -218,6 +218,9 @@ class _Accumulation:
                 "micro-batches; autobatch weights each micro-batch at the loss, which it cannot "
                 "do here. Call backward() on the loss tensor, or use policy='shrink'"
             )
+        watched = _ledger.watching()
+        if watched is not None and watched.rows is not None:
+            watched.rows.check(roots, self.name)  # (a loss that mixes the batch's rows)
         inputs = kwargs.get("inputs")
         leaves = _inspect.leaves(roots) if inputs is None else list(
             [inputs] if isinstance(inputs, torch.Tensor) else inputs

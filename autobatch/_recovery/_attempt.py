@@ -275,6 +275,7 @@ class _Host(Protocol):
     optimizers: tuple[torch.optim.Optimizer, ...]
     optimized_ids: set[int]  # the parameters the step's own optimizers update
     known: _Known
+    embeds: bool  # the step calls embed_in_pieces
 
 
 def _carrying_backward(

@@ -106,6 +106,7 @@ class _Engine:
         self.learned = -1  # the structure epoch of the last watched call
         #: optimizers a bare decorator's step was seen stepping (refused in micro-batches)
         self.steps_seen: list[str] = []
+        self.embeds = False  # the step calls embed_in_pieces: OOMs chunk its encoder instead
         see_optimizer_steps()
 
     def coordinated(self) -> _Coordination | None:

@@ -63,6 +63,7 @@ from autobatch._recovery._inspect import (
     user_frame,
 )
 from autobatch._recovery._patches import backward_handler, running_split
+from autobatch._recovery._rows import RowWatch
 from autobatch._recovery._rules import (
     CHECKS,
     RULES,
@@ -143,6 +144,7 @@ class _Host(Protocol):
     optimizers: tuple[torch.optim.Optimizer, ...]
     schedulers: tuple[Any, ...]
     additive: tuple[torch.Tensor, ...]
+    embeds: bool
 
     def modules_known(self) -> list[nn.Module]: ...
 
@@ -210,6 +212,8 @@ class _Mode(DispatchMode):
             else:
                 for tensor in _tensors((out,)):
                     ledger.fresh.add(_key(tensor))
+        if ledger.rows is not None and torch._C._current_autograd_node() is None:
+            ledger.rows.see(func, args, kwargs, out)  # (the forward's: backward's are not)
         return out
 
 
@@ -291,6 +295,7 @@ class Ledger:
         #: the batch's first attempt ran whole, unwatched, and failed: the storages it put back
         self.unwatched: set[int] | None = None
         self._norms: dict[int, nn.Module] = {}  # BatchNorm layers seen updating statistics
+        self.rows: RowWatch | None = None  # the micro-batch's rows, followed (a split's early piece)
         self._is_open = False
 
     # The batch --------------------------------------------------------------------------------
@@ -401,10 +406,12 @@ class Ledger:
         gate: Callable[[Any, bool], None] | None = None,
         on_forward: Callable[[nn.Module, bool], None] | None = None,
         shadow: Iterable[torch.Tensor] = (),
+        rows: RowWatch | None = None,
     ) -> Iterator[None]:
         """Watch one attempt: ``early``, a micro-batch before the last; ``records``, judge its
         writes (else only ``gate`` collectives); ``on_forward(module, entering)`` hears of
-        every module's forward.
+        every module's forward; ``rows``, follow the micro-batch's rows through its forward
+        (with ``records``).
 
         Without ``records`` or a gate no mode is installed (the last micro-batch of a split
         batch, whose writes happen once per batch): what this batch's earlier micro-batches
@@ -414,6 +421,7 @@ class Ledger:
         self.split = split
         self.records = records
         self.gate = gate
+        self.rows = rows if records else None
         self.allocated = True
         self.stepping = self.stepped = self.wrote_in_step = False
         self.step_versions = []
@@ -449,6 +457,7 @@ class Ledger:
             for hook in hooks:
                 hook.remove()
             self.gate = None
+            self.rows = None
             self.records = False
 
     def drops(self, written: list[torch.Tensor], op: str) -> bool:

@@ -33,6 +33,7 @@ from autobatch._recovery._arguments import (
     warn_tuples,
 )
 from autobatch._recovery._attempt import _Attempt, _Failure, _Known, kept_by
+from autobatch._recovery._embed import chunked
 from autobatch._recovery._ledger import Ledger
 from autobatch._recovery._options import Policy, RecoveryOptions
 from autobatch._recovery._ranks import (
@@ -43,6 +44,7 @@ from autobatch._recovery._ranks import (
 )
 from autobatch._recovery._records import _Tally
 from autobatch._recovery._results import _combine
+from autobatch._recovery._rows import RowWatch
 from autobatch._recovery._rules import judge
 from autobatch._recovery._sizes import _Sizes, _TooSmall
 from autobatch._recovery._thrash import hint_fragmentation
@@ -66,6 +68,7 @@ class _Host(Protocol):
     known: _Known
     ledger: Ledger
     sizes: _Sizes
+    embeds: bool
     tally: _Tally
     warned: set[str]
     steps_seen: list[str]
@@ -178,22 +181,27 @@ class _BatchRun:
         return n / self.total
 
     @contextlib.contextmanager
-    def _watching(self, *, early: bool, last: bool, piece: Batch) -> Iterator[None]:
-        """One watched attempt: the ledger's, kept in step with the other ranks."""
+    def _watching(self, *, early: bool, last: bool, piece: Batch, n: int) -> Iterator[None]:
+        """One watched attempt: the ledger's, kept in step with the other ranks. An early
+        piece's rows are followed through its forward (:mod:`._rows`)."""
         engine, coord, session = self.engine, self.coord, self.session
         records = early or self.learning
+        rows = RowWatch(tensors(piece), n, items=engine.options.items is not None) if (
+            early) else None
         known = engine.known
         shadow = [] if records else [
             *known.changing, *(tensors(piece) if known.writes_batch else ())
         ]
         split = session is not None
         if coord is None:
-            with engine.ledger.attempt(early=early, split=split, records=records, shadow=shadow):
+            with engine.ledger.attempt(
+                early=early, split=split, records=records, shadow=shadow, rows=rows
+            ):
                 yield
             return
         with coord.attempt(last=last, session=session), engine.ledger.attempt(
             early=early, split=split, records=records, shadow=shadow, gate=coord.gate,
-            on_forward=coord.forward,
+            on_forward=coord.forward, rows=rows,
         ):
             yield
 
@@ -201,6 +209,9 @@ class _BatchRun:
         """Run the next piece; after an OOM, recover (a smaller size for the next)."""
         engine, coord, total, done = self.engine, self.coord, self.total, self.done
         n = engine.next_piece(self.key, self.eps, total - done, self.memory, coord)
+        chunk = None  # (a step that embeds in pieces: the whole batch, its encoder in chunks)
+        if n < total and done == 0 and engine.embeds and engine.policy == "accumulate":
+            chunk, n = n, total
         if n < total and not self.split:
             self.split = True
             refuse_bare_steps(engine)  # (one optimizer step per micro-batch, unasked)
@@ -210,7 +221,7 @@ class _BatchRun:
                 self.items = _count_items(options.items(self.batch), engine.name)
         last = done + n == total
         splits = n < total and engine.policy == "accumulate"  # pieces of one step
-        watched = splits or self.learning or coord is not None
+        watched = splits or self.learning or coord is not None or chunk is not None
         ledger = engine.ledger
         if watched and not self.opened:
             ledger.open(tensors(self.batch), split=splits, unwatched=kept_by(attempt))
@@ -235,10 +246,11 @@ class _BatchRun:
         try:
             with phases, whole if whole is not None else contextlib.nullcontext(), (
                 self._watching(  # (a split batch's last piece writes once per batch: unwatched)
-                    early=early, last=last or engine.policy == "shrink", piece=piece,
+                    early=early, last=last or engine.policy == "shrink", piece=piece, n=n,
                 ) if watched else contextlib.nullcontext()
             ):
-                result = engine.fn(*args, **kwargs)
+                with chunked(chunk) if chunk is not None else contextlib.nullcontext():
+                    result = engine.fn(*args, **kwargs)
                 if session is not None:  # (as part of the piece: other ranks hear of it)
                     session.agree()
         except BaseException as exc:
@@ -274,11 +286,12 @@ class _BatchRun:
                 engine.known.learn(ledger.first_attempt_written())
                 engine.known.add_params(ledger.adopted)
                 ledger.adopted = []
-            if memory.has_statistics:  # the step's own memory does not grow with the piece
+            if memory.has_statistics and chunk is None:  # (its own memory: not the piece's)
                 engine.sizes.record(self.key, self.eps, n, phases.outside - baseline)
             self.pieces.append((n, result, weight))
             self.done += n
-            refined = engine.sizes.after_piece(self.key, self.eps, n, room(memory))
+            refined = None if chunk is not None else engine.sizes.after_piece(
+                self.key, self.eps, n, room(memory))
             if refined is not None:
                 engine.size_changed(*refined, "refine")
             return
@@ -291,7 +304,8 @@ class _BatchRun:
             lost += self.done  # this piece's gradients reached the sum: the batch starts over
             self.pieces.clear()
             self.done = 0
-        self.recover(failure, whole, n, lost, restart=dirty or (whole is not None and done == 0))
+        self.recover(failure, whole, chunk or n, lost,
+                     restart=dirty or (whole is not None and done == 0))
 
     def recover(
         self, failure: _Failure, whole: _Attempt | None, failed: int, lost: int, *,

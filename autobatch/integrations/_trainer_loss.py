@@ -50,6 +50,7 @@ from torch.utils import _pytree as pytree
 from autobatch import AutobatchError
 from autobatch._log import user_name
 from autobatch._recovery._patches import Patch
+from autobatch._recovery._rows import counts_weighed
 from autobatch.integrations import _common
 
 __all__ = [
@@ -281,7 +282,8 @@ class Weighing:
 
         patch = Patch(trainer, "compute_loss", compute_loss)
         try:
-            yield
+            with counts_weighed():  # (each piece's loss is weighed here, by its items)
+                yield
         finally:
             patch.undo()
         if not calls[0]:

@@ -1,0 +1,506 @@
+"""How torch's operators move the batch's rows (see :mod:`._rows`): the tags, one operator's
+call as the rules see it, and the rules of arithmetic (elementwise, reductions, products,
+attention, normalisations, losses). The rules of shapes are in :mod:`._row_shapes`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autobatch._recovery._inspect import engine_work, user_frame
+
+AGG = -1  #: a sum or mean over the rows
+FREE = -2  #: no rows left, but made from them (tainted)
+
+
+@dataclass(frozen=True)
+class Taint:
+    """Where the rows were first mixed: ``what`` the operator did, ``where`` the user's line,
+    and the ``kind`` of mixing (``"pairs"``, ``"mixes"`` or ``"count"``)."""
+
+    what: str
+    where: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class Tag:
+    """Where a tensor holds the batch's rows: ``dim`` (or :data:`AGG`, :data:`FREE`)."""
+
+    dim: int
+    taint: Taint | None = None
+    segments: tuple[int, ...] | None = None  # rows concatenated along dim, their sizes
+    #: how many consecutive indices of ``dim`` one row spans (a reshape merged the rows with
+    #: the dimensions after them: ``(rows, heads) -> rows * heads`` spans ``heads``)
+    inner: int = 1
+
+
+class Watch(Protocol):
+    """What a rule needs of the watch: the tags, the ``.item()`` values, the rows, items."""
+
+    tags: WeakIdKeyDictionary
+    values: set[float]
+    rows: int
+
+    @property
+    def items(self) -> bool: ...
+
+
+def flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments (in lists too)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+class Op:
+    """One operator's call, for a rule: its arguments by name, what it made, and tagging."""
+
+    __slots__ = ("args", "func", "kwargs", "name", "out", "tagged", "watch")
+
+    def __init__(self, watch: Watch, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any, tagged: list[tuple[torch.Tensor, Tag]]) -> None:
+        self.watch, self.func, self.args, self.kwargs = watch, func, args, kwargs
+        self.out, self.tagged = out, tagged
+        self.name: str = func.overloadpacket.__name__.rstrip("_")
+
+    @property
+    def label(self) -> str:
+        return self.name.lstrip("_")
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        index = positions(self.func).get(name)
+        if index is not None and index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+    def tag_of(self, t: Any) -> Tag | None:
+        return self.watch.tags.get(t) if isinstance(t, torch.Tensor) else None  # type: ignore[no-untyped-call]
+
+    @property
+    def inherited(self) -> Taint | None:
+        return next((tag.taint for _, tag in self.tagged if tag.taint is not None), None)
+
+    def outputs(self) -> list[torch.Tensor]:
+        out = self.out
+        if isinstance(out, torch.Tensor):
+            return [out]
+        if isinstance(out, (list, tuple)):
+            return [t for t in out if isinstance(t, torch.Tensor)]
+        return []
+
+    def taint(self, what: str, kind: str = "mixes") -> Taint:
+        """The taint of what this operator made: the first mixing upstream, or this one
+        (a count, which ``items=`` may declare, hides no later mixing)."""
+        inherited = self.inherited
+        if inherited is not None and (inherited.kind != "count" or kind == "count"):
+            return inherited
+        return Taint(f"{what} (aten.{self.label})", user_frame(), kind)
+
+    def put(self, t: torch.Tensor, dim: int, taint: Taint | None = None,
+            segments: tuple[int, ...] | None = None, inner: int | None = None) -> None:
+        """Tag ``t``; ``inner`` by default that of the first input with rows (a dimension
+        carried over whole)."""
+        taint = taint or self.inherited
+        if dim >= t.dim():
+            dim = FREE
+        if dim == FREE and taint is None:
+            self.watch.tags.pop(t, None)  # type: ignore[no-untyped-call]
+            return
+        if inner is None:
+            rows = self.rows()
+            inner = rows[0][1].inner if rows and dim >= 0 else 1
+        self.watch.tags[t] = Tag(dim, taint, segments, inner)
+
+    def put_all(self, dim: int, taint: Taint | None = None,
+                segments: tuple[int, ...] | None = None, inner: int | None = None) -> None:
+        for t in self.outputs():
+            self.put(t, dim, taint, segments, inner)
+
+    def rows(self) -> list[tuple[torch.Tensor, Tag]]:
+        return [(t, tag) for t, tag in self.tagged if tag.dim >= 0]
+
+    def aggregates(self) -> bool:
+        return any(tag.dim == AGG for _, tag in self.tagged)
+
+    def mixed(self) -> Taint:
+        return self.taint("a sum or mean over the batch's rows combined with the rows "
+                          "themselves (a normalisation over the batch)")
+
+
+_POSITIONS: dict[Any, dict[str, int]] = {}
+
+
+def positions(func: Any) -> dict[str, int]:
+    """An operator's positional arguments by name."""
+    found = _POSITIONS.get(func)
+    if found is None:
+        found = _POSITIONS[func] = {
+            a.name: i for i, a in enumerate(func._schema.arguments) if not a.kwarg_only
+        }
+    return found
+
+
+def norm(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def keep_segments(tag: Tag, src: torch.Tensor, out: torch.Tensor, dim: int) -> tuple[int, ...] | None:
+    if tag.segments is None or dim < 0 or dim >= out.dim() or tag.dim >= src.dim():
+        return None
+    return tag.segments if out.shape[dim] == src.shape[tag.dim] else None
+
+
+# Rules ---------------------------------------------------------------------------------------
+
+Rule = Callable[[Op], None]
+
+#: operators that are linear in a tensor argument (an aggregate stays one through them)
+LINEAR = frozenset({
+    "add", "sub", "rsub", "neg", "mul", "div", "true_divide", "clone", "_to_copy", "detach",
+    "alias", "copy", "positive", "lift_fresh", "lift_fresh_copy", "contiguous", "view",
+    "_unsafe_view", "reshape", "_reshape_alias", "expand", "permute", "transpose", "t",
+    "unsqueeze", "squeeze", "select", "slice", "sum", "mean", "nansum", "zeros_like",
+    "empty_like", "ones_like", "full_like", "cat", "stack", "split", "chunk", "unbind",
+})
+_PRODUCTS = frozenset({"mul", "div", "true_divide"})
+#: guards of a count (``mask.sum().clamp(min=1)``): a count still, where ``items=`` declares it
+_GUARDS = frozenset({"clamp", "clamp_min", "clamp_max", "maximum", "minimum", "max", "min"})
+
+
+def pointwise(op: Op) -> None:
+    """Elementwise, with broadcasting: the rows of every input must meet in one dimension;
+    an aggregate stays one through linear operators only, and never meets the rows."""
+    outs = op.outputs()
+    if not outs:
+        return
+    rank = outs[0].dim()
+    rows = op.rows()
+    watch = op.watch
+    if op.name in ("div", "true_divide") and watch.values and not watch.items and not rows and (
+        len(op.args) > 1 and isinstance(op.args[1], (int, float))
+        and float(op.args[1]) in watch.values
+    ):
+        op.put_all(FREE, op.taint("a division by a count read from the batch with .item()",
+                                  "count"))
+        return
+    if rows and op.aggregates():
+        op.put_all(rows[0][1].dim + rank - rows[0][0].dim(), op.mixed())
+        return
+    if not rows:
+        _aggregate(op)
+        return
+    dims = {tag.dim + rank - t.dim() for t, tag in rows}
+    if len(dims) > 1:
+        op.put_all(min(dims), op.taint("two tensors' rows paired with each other "
+                                       "(a pairwise difference or product over the batch)",
+                                       "pairs"))
+        return
+    (dim,) = dims
+    t, tag = rows[0]
+    for out in outs:
+        op.put(out, dim, segments=keep_segments(tag, t, out, dim))
+
+
+def _aggregate(op: Op) -> None:
+    """An elementwise operator on aggregates (and tensors without rows)."""
+    aggregates = [t for t, tag in op.tagged if tag.dim == AGG]
+    watch = op.watch
+    if not aggregates:
+        op.put_all(FREE)
+        return
+    if op.name not in LINEAR:
+        if op.name in _GUARDS and watch.items:
+            op.put_all(AGG)  # (the declared count, guarded)
+            return
+        op.put_all(FREE, op.taint(f"{op.label} of a sum or mean over the batch's rows",
+                                  "count" if op.name in _GUARDS else "mixes"))
+        return
+    if op.name in _PRODUCTS and (len(aggregates) > 1 or (
+        op.name != "mul" and op.args and op.args[0] is not aggregates[0]
+    )):
+        kind = "count" if op.name != "mul" else "mixes"
+        if kind == "count" and watch.items:
+            op.put_all(AGG)
+            return
+        op.put_all(FREE, op.taint(
+            "a division by a count or sum computed from the batch" if kind == "count"
+            else "a product of two sums over the batch's rows", kind))
+        return
+    op.put_all(AGG)
+
+
+def reduction(linear: bool) -> Rule:
+    """A reduction over some dimensions: over the rows' a sum or mean makes an aggregate,
+    anything else (max, norm, logsumexp, std) mixes them."""
+    def rule(op: Op) -> None:
+        t, tag = op.tagged[0]
+        if tag.dim < 0:
+            if tag.dim == AGG and linear:
+                op.put_all(AGG)
+            else:
+                op.put_all(FREE, op.taint(f"{op.label} of a sum or mean over the batch's rows")
+                           if tag.dim == AGG else None)
+            return
+        dim = op.arg("dim")
+        rank = t.dim()
+        if dim is None or dim == []:
+            reduced = set(range(rank))
+        elif isinstance(dim, int):
+            reduced = {norm(dim, rank)}
+        else:
+            reduced = {norm(d, rank) for d in dim}
+        if tag.dim in reduced:
+            if linear:
+                op.put_all(AGG)
+            else:
+                op.put_all(FREE, op.taint(f"a {op.label} over the batch's rows"))
+            return
+        keep = bool(op.arg("keepdim", False))
+        op.put_all(tag.dim if keep else tag.dim - sum(1 for d in reduced if d < tag.dim))
+    return rule
+
+
+def along(op: Op) -> None:
+    """An operator along one dimension that keeps its shape (softmax, cumsum, sort, top-k)."""
+    t, tag = op.tagged[0]
+    if tag.dim < 0:
+        op.put_all(FREE, op.taint(f"{op.label} of a sum or mean over the batch's rows")
+                   if tag.dim == AGG else None)
+        return
+    dims = op.arg("dim", op.arg("dims", -1))
+    dims = [dims] if isinstance(dims, int) else list(dims) or list(range(t.dim()))
+    if tag.dim in {norm(d, t.dim()) for d in dims}:
+        op.put_all(tag.dim, op.taint(f"a {op.label} across the batch's rows"))
+        return
+    op.put_all(tag.dim)
+
+
+def matmul(lhs: int, rhs: int, batched: bool, bias: int | None = None) -> Rule:
+    """``mm``/``bmm`` and their ``add`` forms: rows on the left stay rows, rows on the right
+    become columns, rows on both pair them, rows contracted make an aggregate."""
+    def rule(op: Op) -> None:
+        ta, tb = op.tag_of(op.args[lhs]), op.tag_of(op.args[rhs])
+        off = 1 if batched else 0
+        rows = [(tag, side) for tag, side in ((ta, "a"), (tb, "b"))
+                if tag is not None and tag.dim >= 0]
+        if any(tag is not None and tag.dim == AGG for tag in (ta, tb)):
+            op.put_all(FREE if rows else AGG, op.mixed() if rows else None)
+            return
+        out_dims: set[int] = set()
+        contracted = False
+        for tag, side in rows:
+            d = tag.dim
+            if batched and d == 0:
+                out_dims.add(0)
+            elif (side == "a" and d == off) or (side == "b" and d == off + 1):
+                out_dims.add(d)
+            else:
+                contracted = True
+        if len(out_dims) > 1:
+            op.put_all(min(out_dims), op.taint(
+                "a product of two tensors' rows with each other (a similarity matrix over "
+                "the batch, as za @ zb.T)", "pairs"))
+            return
+        if contracted:
+            if out_dims:
+                op.put_all(FREE, op.taint("a product that contracts the batch's rows"))
+            else:
+                op.put_all(AGG)  # (a sum over rows of per-row products: X.T @ Y)
+            return
+        if not out_dims:
+            op.put_all(FREE)
+            return
+        (dim,) = out_dims
+        added = op.tag_of(op.args[bias]) if bias is not None else None
+        op.put_all(dim, op.mixed() if added is not None and added.dim == AGG else None)
+    return rule
+
+
+def pairwise(op: Op) -> None:
+    """Distances between two sets of rows (``torch.cdist``): rows of both pair them."""
+    a = op.args[0]
+    ta, tb = op.tag_of(a), op.tag_of(op.args[1])
+    rank = a.dim()
+    if ta is not None and tb is not None and ta.dim == rank - 2 and tb.dim == rank - 2:
+        op.put_all(rank - 2, op.taint("distances between the batch's rows", "pairs"))
+    elif ta is not None and 0 <= ta.dim <= rank - 2:
+        op.put_all(ta.dim)
+    elif tb is not None and tb.dim == rank - 2:
+        op.put_all(rank - 1)
+    elif tb is not None and 0 <= tb.dim < rank - 2:
+        op.put_all(tb.dim)
+    else:
+        op.put_all(FREE, op.taint("distances over the batch's rows"))
+
+
+def pdist(op: Op) -> None:
+    op.put_all(FREE, op.taint("distances between the batch's rows", "pairs"))
+
+
+def attention(op: Op) -> None:
+    """Scaled dot-product attention: rows in the leading dimensions stay; rows as the
+    queries' sequence stay per query; rows as the keys' or values' sequence are mixed."""
+    q = op.args[0]
+    rank = q.dim()
+    dims: set[int] = set()
+    for i, t in enumerate(op.args[:3]):
+        tag = op.tag_of(t)
+        if tag is None:
+            continue
+        if tag.dim < 0:
+            op.put_all(FREE, op.mixed() if tag.dim == AGG else None)
+            return
+        if tag.dim >= rank - 2 and not (i == 0 and tag.dim == rank - 2):
+            op.put_all(tag.dim if i == 0 else rank - 2,
+                       op.taint("attention across the batch's rows", "pairs"))
+            return
+        dims.add(tag.dim)
+    if len(dims) > 1:
+        op.put_all(min(dims), op.taint("attention that pairs the batch's rows", "pairs"))
+        return
+    if dims:
+        (dim,) = dims
+        for out in op.outputs():
+            if out.dim() > dim and out.shape[dim] == q.shape[dim]:
+                op.put(out, dim)
+
+
+def first_input_at(*allowed: int, what: str) -> Rule:
+    """Convolutions and normalisations over the dimensions after the first: rows must be in
+    ``allowed`` (N; or channels, for an instance norm's reshape into a batch norm). A batch
+    norm over the rows is the documented warning (statistics per micro-batch), not this."""
+    def rule(op: Op) -> None:
+        tag = op.tag_of(op.args[0])
+        if tag is None:
+            op.put_all(FREE)
+            return
+        if tag.dim < 0:
+            op.put_all(FREE, op.mixed() if tag.dim == AGG else None)
+            return
+        if tag.dim in allowed or op.arg("training", True) is False:
+            op.put(op.outputs()[0], tag.dim)
+            return
+        op.put_all(tag.dim, op.taint(f"{what} across the batch's rows"))
+    return rule
+
+
+def layer_norm(op: Op) -> None:
+    t = op.args[0]
+    tag = op.tag_of(t)
+    if tag is None or tag.dim < 0:
+        op.put_all(FREE, op.mixed() if tag is not None and tag.dim == AGG else None)
+        return
+    if tag.dim >= t.dim() - len(op.arg("normalized_shape")):
+        op.put_all(tag.dim, op.taint("a normalisation across the batch's rows"))
+        return
+    op.put(op.outputs()[0], tag.dim)
+
+
+def nll(op: Op) -> None:
+    """Cross-entropy's last part: a mean over targets counts the targets it does not ignore
+    (and weighs them by class); exact when every row holds the same count."""
+    inp, target = op.args[0], op.args[1]
+    ti, tt = op.tag_of(inp), op.tag_of(target)
+    if (ti is not None and ti.dim != 0) or (tt is not None and tt.dim != 0):
+        if ti is not None and ti.dim == 1 and inp.dim() == 2:
+            op.put_all(FREE, op.taint("a cross-entropy over the batch's rows as classes", "pairs"))
+        else:
+            op.put_all(FREE, op.taint("a cross-entropy whose rows are not the batch's"))
+        return
+    reduced = op.arg("reduction", 1)
+    outs = op.outputs()
+    if reduced == 0:
+        op.put(outs[0], 0)
+    elif reduced == 2 or op.watch.items or _even(target, op.arg("weight"), op.arg("ignore_index", -100), op.watch.rows):
+        op.put(outs[0], AGG)
+    else:
+        op.put(outs[0], FREE, op.taint(
+            "a mean over the targets it does not ignore (ignore_index or class weights), whose "
+            "count differs from row to row", "count"))
+
+
+def _even(target: torch.Tensor, weight: torch.Tensor | None, ignore: int, rows: int) -> bool:
+    """Whether every row of the batch holds the same count of targets (weighted by class)."""
+    if target.numel() == 0:
+        return True
+    if target.numel() % rows:
+        return False
+    with engine_work(), torch.no_grad():
+        counted = (target != ignore).double()
+        if weight is not None:
+            counted = counted * weight[target.clamp(0, weight.numel() - 1)].double()
+        per_row = counted.reshape(rows, -1).sum(1)
+        return bool((per_row == per_row[0]).all())
+
+
+def reduced_loss(op: Op) -> None:
+    """A loss operator with ``reduction=``: elementwise, then a mean or sum over everything."""
+    if op.arg("reduction", 1) == 0:
+        pointwise(op)
+        return
+    rows = op.rows()
+    if rows and op.aggregates():
+        op.put_all(FREE, op.mixed())
+        return
+    op.put_all(AGG if rows else FREE,
+               None if rows else op.taint(f"{op.label} of a sum over the batch's rows"))
+
+
+def embedding(op: Op) -> None:
+    tag = op.tag_of(op.args[1])
+    if tag is not None and tag.dim >= 0:
+        op.put_all(tag.dim)
+    else:
+        op.put_all(FREE, op.mixed() if tag is not None and tag.dim == AGG else None)
+
+
+def item(op: Op) -> None:
+    """``.item()`` of a sum over the rows (a count, perhaps): remembered, to see a division
+    by it."""
+    if op.tagged[0][1].dim == AGG and isinstance(op.out, (int, float)) and not isinstance(
+        op.out, bool
+    ):
+        op.watch.values.add(float(op.out))
+
+
+def ctc(op: Op) -> None:
+    tag = op.tag_of(op.args[0])
+    outs = op.outputs()
+    if tag is not None and tag.dim == 1 and outs:
+        op.put(outs[0], 0, inner=1)
+    else:
+        fallback(op)
+
+
+def fallback(op: Op) -> None:
+    """Any other operator: its outputs keep the rows where a dimension of theirs has the
+    rows' place and size; one that loses them is taken to mix them."""
+    rows = op.rows()
+    if op.aggregates():
+        op.put_all(FREE, op.mixed() if rows else op.taint(
+            f"{op.label} of a sum or mean over the batch's rows"))
+        return
+    if not rows:
+        op.put_all(FREE)
+        return
+    t, tag = rows[0]
+    size = t.shape[tag.dim]
+    for out in op.outputs():
+        if out.dim() > tag.dim and out.shape[tag.dim] == size:
+            op.put(out, tag.dim)
+            continue
+        same = [k for k, s in enumerate(out.shape) if s == size]
+        if len(same) == 1:
+            op.put(out, same[0])
+        else:
+            op.put(out, FREE, op.taint(f"aten.{op.label}, which autobatch cannot follow along "
+                                       "the batch's rows"))

@@ -1,0 +1,239 @@
+"""How torch's shape operators move the batch's rows (see :mod:`._rows`): reshapes, moved
+and removed dimensions, slices, splits, joins and indexing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autobatch._recovery._inspect import engine_work
+from autobatch._recovery._row_ops import AGG, FREE, Op, keep_segments, norm
+
+
+def view(op: Op) -> None:
+    """A reshape keeps the elements' order: a row starts every ``span`` elements of it (the
+    rows' ``inner`` times the sizes after their dimension), and lands in the output
+    dimension whose own span that falls in."""
+    t, tag = op.tagged[0]
+    out = op.out
+    if tag.dim < 0 or not isinstance(out, torch.Tensor):
+        op.put_all(tag.dim)
+        return
+    span = tag.inner
+    for size in t.shape[tag.dim + 1:]:
+        span *= size
+    one_row = t.shape[tag.dim] == tag.inner  # (a piece of one row: a dimension of one)
+    suffix = 1
+    for k in reversed(range(out.dim())):
+        size = out.shape[k]
+        if one_row:
+            if suffix == span and size == 1:
+                op.put(out, k, inner=1)
+                return
+        elif suffix <= span < suffix * size and span % suffix == 0:
+            op.put(out, k, segments=keep_segments(tag, t, out, k), inner=span // suffix)
+            return
+        suffix *= size
+    op.put(out, FREE)
+
+
+def moved(op: Op) -> None:
+    """Dimensions moved, added or removed: the rows follow."""
+    t, tag = op.tagged[0]
+    if tag.dim < 0:
+        op.put_all(tag.dim)
+        return
+    out = op.outputs()[0]
+    d, rank, name = tag.dim, t.dim(), op.name
+    if name == "expand":
+        new = d + out.dim() - rank
+    elif name == "permute":
+        new = [norm(x, rank) for x in op.arg("dims")].index(d)
+    elif name in ("transpose", "t"):
+        a, b = (0, 1) if name == "t" else (norm(op.arg("dim0"), rank), norm(op.arg("dim1"), rank))
+        new = b if d == a else a if d == b else d
+    elif name == "unsqueeze":
+        new = d + (norm(op.arg("dim"), out.dim()) <= d)
+    else:  # squeeze
+        dim = op.arg("dim")
+        candidates = range(rank) if dim is None else [dim] if isinstance(dim, int) else dim
+        removed = {norm(x, rank) for x in candidates if t.shape[norm(x, rank)] == 1}
+        new = FREE if d in removed else d - sum(1 for x in removed if x < d)
+    op.put(out, new, segments=keep_segments(tag, t, out, new))
+
+
+def select(op: Op) -> None:
+    """One index of a dimension: of the rows' own, one row (a loop over the rows), followed
+    no further."""
+    t, tag = op.tagged[0]
+    if tag.dim < 0:
+        op.put_all(tag.dim)
+        return
+    dim = norm(op.arg("dim"), t.dim())
+    if dim == tag.dim:
+        op.put_all(FREE)
+        return
+    op.put_all(tag.dim - (dim < tag.dim))
+
+
+def slice_(op: Op) -> None:
+    """A slice: of the rows' own dimension, all of it is the rows; part of it is cut
+    (pairs made from halves of the batch differ from a micro-batch's halves)."""
+    t, tag = op.tagged[0]
+    if tag.dim < 0:
+        op.put_all(tag.dim)
+        return
+    dim = norm(op.arg("dim", 0), t.dim())
+    if dim != tag.dim or op.outputs()[0].shape[dim] == t.shape[dim]:
+        op.put_all(tag.dim, segments=tag.segments)
+        return
+    op.put_all(dim, op.taint("part of the batch's rows (a slice of them)", "pairs"))
+
+
+def split(op: Op) -> None:
+    """A split: along the rows, kept only where it takes apart what a concatenation of rows
+    joined; ``unbind`` along the rows is a loop over them."""
+    t, tag = op.tagged[0]
+    if tag.dim < 0:
+        op.put_all(tag.dim)
+        return
+    dim = norm(op.arg("dim", 0), t.dim())
+    if op.name == "unbind":
+        op.put_all(FREE if dim == tag.dim else tag.dim - (dim < tag.dim))
+        return
+    if dim != tag.dim:
+        op.put_all(tag.dim)
+        return
+    sizes = tuple(o.shape[dim] for o in op.outputs())
+    if tag.segments is not None and sizes == tag.segments:
+        op.put_all(dim)  # (the parts concatenated along the rows, taken apart again)
+        return
+    op.put_all(dim, op.taint("the batch's rows cut into parts", "pairs"))
+
+
+def cat(op: Op) -> None:
+    """``cat``/``stack``: rows of every input must sit in one dimension; joined along it, the
+    parts are remembered (a later split into them is exact)."""
+    tensors = [t for t in op.args[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors:
+        return
+    stack = op.name == "stack"
+    dim = norm(op.arg("dim", 0), tensors[0].dim() + stack)
+    rows = op.rows()
+    if op.aggregates() and rows:
+        op.put_all(rows[0][1].dim, op.mixed())
+        return
+    if not rows:
+        op.put_all(AGG if op.aggregates() else FREE)
+        return
+    dims = {tag.dim for _, tag in rows}
+    if len(dims) > 1:
+        op.put_all(min(dims), op.taint("tensors with their rows in different dimensions joined"))
+        return
+    (d,) = dims
+    if stack:
+        op.put_all(d + (dim <= d))
+    elif dim == d and len(rows) == len(tensors):
+        op.put_all(d, segments=tuple(t.shape[d] for t in tensors))
+    else:
+        op.put_all(d)
+
+
+def gather_like(op: Op) -> None:
+    """``gather``/``index_select`` along a dimension: rows picked along the rows' own
+    dimension by an index not made from the batch are reordered (refused); otherwise the
+    rows of the input or of the index are the output's."""
+    t, index = op.args[0], op.arg("index")
+    tt, ti = op.tag_of(t), op.tag_of(index)
+    dim = norm(op.arg("dim"), t.dim())
+    if any(tag is not None and tag.dim < 0 for tag in (tt, ti)):
+        op.put_all(FREE, op.mixed() if op.aggregates() else None)
+        return
+    if tt is not None and tt.dim == dim and not _identity(index, t.shape[dim]) and (
+        ti is None or op.name != "index_select"
+    ):
+        op.put_all(dim, op.taint("the batch's rows picked or reordered by an index", "pairs"))
+        return
+    if tt is not None:
+        op.put_all(tt.dim)
+    elif ti is not None:
+        op.put_all(ti.dim if op.name == "gather" else dim)
+
+
+def _identity(index: Any, size: int) -> bool:
+    """Whether ``index`` is ``arange(size)`` along one dimension (``[:, None]`` and all)."""
+    if not isinstance(index, torch.Tensor) or index.numel() != size or index.is_floating_point():
+        return False
+    with engine_work(), torch.no_grad():
+        return bool((index.reshape(-1) == torch.arange(size, device=index.device)).all())
+
+
+def index(op: Op) -> None:
+    """``x[i, j]``: rows not indexed keep their place; rows indexed by a mask or by an index
+    made from the batch are selected (kept); by any other index, reordered (refused)."""
+    t, indices = op.args[0], list(op.args[1])
+    tt = op.tag_of(t)
+    outs = op.outputs()
+    if tt is None or tt.dim < 0 or not outs:
+        dims = [tag.dim for i in indices if (tag := op.tag_of(i)) is not None and tag.dim >= 0]
+        op.put_all(dims[0] if dims else FREE)
+        return
+    cover = []  # (first dimension, how many, the index) of each index
+    start = 0
+    for i in indices:
+        width = i.dim() if i is not None and i.dtype in (torch.bool, torch.uint8) else 1
+        cover.append((start, width, i))
+        start += width
+    used = [k for k, (_, _, i) in enumerate(cover) if i is not None]
+    if not used:
+        op.put_all(tt.dim)
+        return
+    adjacent = used == list(range(used[0], used[-1] + 1))
+    first = cover[used[0]][0] if adjacent else 0
+    spanned = sum(cover[k][1] for k in used)
+    width = outs[0].dim() - (t.dim() - spanned)  # the broadcast indices' dimensions
+    d = tt.dim
+    hit = next((i for s, w, i in cover if s <= d < s + w and i is not None), None)
+    if hit is not None:
+        masks = hit.dtype in (torch.bool, torch.uint8)
+        if not (op.tag_of(hit) is not None or masks or _identity(hit, t.shape[d])):
+            op.put_all(first, op.taint("the batch's rows picked or reordered by an index",
+                                       "pairs"))
+            return
+        if not masks:  # (where its rows broadcast to)
+            long = [k for k, size in enumerate(hit.shape) if size == t.shape[d]]
+            first += width - hit.dim() + (long[0] if long else 0)
+        op.put_all(first, inner=1)
+        return
+    before = sum(cover[k][1] for k in used if cover[k][0] < d)
+    if adjacent and d < first:
+        op.put_all(d)
+    elif adjacent:
+        op.put_all(d - spanned + width)
+    else:
+        op.put_all(width + d - before)
+
+
+def scatter_like(op: Op) -> None:
+    """``scatter_add``/``index_add``/``index_put``: rows added into a table along their own
+    dimension make an aggregate (per-class sums); written there without adding, they are
+    reordered; a table with rows elsewhere keeps them."""
+    t = op.args[0]
+    tt = op.tag_of(t)
+    if tt is not None and tt.dim >= 0:
+        op.put_all(tt.dim)
+        return
+    rows = op.rows()
+    if not rows:
+        op.put_all(AGG if op.aggregates() else FREE)
+        return
+    adds = op.name in ("scatter_add", "index_add") or bool(op.arg("accumulate", False)) or (
+        op.arg("reduce") in ("sum", "mean"))
+    dim = op.arg("dim")
+    src_dim = rows[0][1].dim
+    if dim is not None and norm(dim, t.dim()) != src_dim:
+        op.put_all(src_dim)
+        return
+    op.put_all(AGG if adds else FREE, None if adds else op.taint(
+        "the batch's rows written into a table by index", "pairs"))

@@ -1,0 +1,229 @@
+"""The batch's own math: whether a split step's loss treats the batch's rows apart.
+
+A split step is exact when its loss is a sum over the batch's rows, or a mean by their count:
+each micro-batch's loss, weighted by its share, then adds up to the batch's. While a batch's
+first micro-batch runs watched (under the ledger's dispatch mode), :class:`RowWatch` follows
+the batch's row dimension through every operator of the forward, from the micro-batch's own
+tensors on:
+
+- a tensor either has the rows along one dimension (*rows*), is a sum or mean over them (an
+  *aggregate*, linear in the rows), or does not depend on the batch;
+- per-row work keeps the rows where they are (an activation, a linear layer, attention over
+  tokens, a convolution over pixels, a reshape that merges the rows with other dimensions);
+- an operator that mixes rows *taints* what it makes, and the taint flows on: a product or a
+  distance that pairs two tensors' rows (``za @ zb.T``, ``torch.cdist``), a max, min, sort,
+  top-k, softmax or cumulative op over the rows, a normalisation over them, an aggregate used
+  non-linearly or with the rows (``x - x.mean(0)``, ``loss / mask.sum()``), a mean whose count
+  depends on the batch's content (ignored labels, class weights), part of the rows.
+
+When the micro-batch calls ``backward()`` on a tainted loss the step is refused, before any
+optimizer step, naming the operator and the user's line that mixed the rows
+(:meth:`RowWatch.check`). ``items=`` declares a count that depends on the batch's content;
+the documented per-piece statistics (BatchNorm over the rows) are warned, not refused.
+What runs compiled, outside torch's operators (``.item()`` values aside), or on tensors the
+step builds from non-tensor data is not followed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autobatch._recovery._row_ops import (
+    LINEAR,
+    Op,
+    Rule,
+    Tag,
+    along,
+    attention,
+    ctc,
+    embedding,
+    fallback,
+    first_input_at,
+    flat,
+    item,
+    layer_norm,
+    matmul,
+    nll,
+    pairwise,
+    pdist,
+    pointwise,
+    positions,
+    reduced_loss,
+    reduction,
+)
+from autobatch._recovery._row_shapes import (
+    cat,
+    gather_like,
+    index,
+    moved,
+    scatter_like,
+    select,
+    slice_,
+    split,
+    view,
+)
+from autobatch._recovery._rules import refusal
+
+_FIXES = {
+    "pairs": "a loss that compares rows with each other (in-batch negatives, InfoNCE/CLIP, "
+             "pairwise distances, triplet mining) cannot be split by rows; write the step as "
+             "an encoder over rows and a loss over all embeddings and use "
+             "autobatch.embed_in_pieces (the cached-embedding split, exact), or a batch size "
+             "that fits",
+    "mixes": "compute the loss per row and end it in a mean or sum over the rows; a loss that "
+             "needs the whole batch's embeddings can use autobatch.embed_in_pieces; otherwise "
+             "use a batch size that fits, or policy='shrink' (which changes the math on "
+             "purpose)",
+    "count": "declare the count, e.g. retry_on_oom(items=lambda batch: "
+             "(batch['labels'] != -100).sum()), and autobatch weights each micro-batch by its "
+             "items",
+}
+
+
+class _Weighed(threading.local):
+    depth = 0
+
+
+_WEIGHED = _Weighed()
+
+
+@contextmanager
+def counts_weighed() -> Iterator[None]:
+    """Within: the caller weighs each micro-batch's loss by its count of items itself (the
+    ``Trainer`` integration does, for the heads it knows), as ``items=`` declares."""
+    _WEIGHED.depth += 1
+    try:
+        yield
+    finally:
+        _WEIGHED.depth -= 1
+
+
+class RowWatch:
+    """The rows of one micro-batch, followed through its forward (module docs)."""
+
+    def __init__(self, batch: Iterable[torch.Tensor], rows: int, *, items: bool) -> None:
+        self.rows = rows
+        self._items = items  # a data-dependent count was declared (items=)
+        self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.values: set[float] = set()  # .item() of tensors made from the batch
+        for t in batch:
+            if t.dim() > 0 and t.shape[0] == rows:
+                self.tags[t] = Tag(0)
+
+    @property
+    def items(self) -> bool:
+        """Whether a count that depends on the batch's content is weighed per micro-batch."""
+        return self._items or _WEIGHED.depth > 0
+
+    # Operators ---------------------------------------------------------------------------------
+
+    def see(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """After an operator of the forward ran: tag what it made."""
+        tags = self.tags
+        tagged = [(t, tag) for t in flat(args, kwargs) if (tag := tags.get(t)) is not None]  # type: ignore[no-untyped-call]
+        if not tagged:
+            return
+        rule_for(func)(Op(self, func, args, kwargs, out, tagged))
+
+    def check(self, roots: Iterable[torch.Tensor], step: str) -> None:
+        """``backward()`` of a micro-batch: refuse a loss whose rows were mixed."""
+        for root in roots:
+            tag = self.tags.get(root)  # type: ignore[no-untyped-call]
+            if tag is not None and tag.taint is not None:
+                taint = tag.taint
+                if taint.kind == "count" and self.items:
+                    continue
+                raise refusal(
+                    step, f"computed its loss from {taint.what}", taint.where,
+                    "the loss then depends on how the batch is cut: a micro-batch's loss, "
+                    "weighted by its share, is not its part of the batch's loss, so the "
+                    "micro-batches' gradients would not add up to the batch's",
+                    _FIXES[taint.kind],
+                )
+
+
+# The operators' rules ----------------------------------------------------------------------
+
+_LINEAR_REDUCTIONS = frozenset({"sum", "mean", "nansum"})
+_REDUCTIONS = frozenset({
+    "amax", "amin", "max", "min", "argmax", "argmin", "std", "var", "var_mean", "std_mean",
+    "logsumexp", "linalg_vector_norm", "norm", "prod", "any", "all", "count_nonzero",
+    "median", "nanmedian", "mode", "kthvalue", "aminmax", "nanmean", "frobenius_norm",
+})
+_ALONG = frozenset({
+    "_softmax", "_log_softmax", "softmax", "log_softmax", "cumsum", "cumprod", "cummax",
+    "cummin", "logcumsumexp", "sort", "argsort", "topk", "flip", "roll", "_safe_softmax",
+})
+_BY_NAME: dict[str, Rule] = {
+    **dict.fromkeys(
+        ("view", "_unsafe_view", "reshape", "_reshape_alias", "view_copy", "_reshape_copy"), view
+    ),
+    **dict.fromkeys(("expand", "permute", "transpose", "t", "unsqueeze", "squeeze"), moved),
+    "select": select, "slice": slice_,
+    **dict.fromkeys(("split", "split_with_sizes", "chunk", "unbind", "unsafe_split",
+                     "unsafe_chunk", "unsafe_split_with_sizes"), split),
+    "cat": cat, "stack": cat,
+    "mm": matmul(0, 1, False), "bmm": matmul(0, 1, True),
+    "addmm": matmul(1, 2, False, 0), "baddbmm": matmul(1, 2, True, 0),
+    "_cdist_forward": pairwise, "_euclidean_dist": pairwise, "cdist": pairwise,
+    "_pdist_forward": pdist, "pdist": pdist,
+    **{n: first_input_at(0, 1, what="a batch normalisation") for n in (
+        "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+        "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_with_update",
+        "_batch_norm_with_update_functional", "batch_norm")},
+    "native_group_norm": first_input_at(0, what="a group normalisation"),
+    "native_layer_norm": layer_norm, "_fused_rms_norm": layer_norm, "rms_norm": layer_norm,
+    "nll_loss_forward": nll, "nll_loss2d_forward": nll,
+    "index": index, "_unsafe_index": index,
+    "index_select": gather_like, "gather": gather_like,
+    **dict.fromkeys(("scatter", "scatter_add", "scatter_reduce", "index_add", "index_put",
+                     "index_copy", "_index_put_impl"), scatter_like),
+    "embedding": embedding,
+    "_local_scalar_dense": item,
+    "_ctc_loss": ctc,
+}
+
+
+_RULES: dict[Any, Rule] = {}
+
+
+def rule_for(func: Any) -> Rule:
+    """The rule of an operator (found once, then looked up)."""
+    rule = _RULES.get(func)
+    if rule is None:
+        rule = _RULES[func] = _find(func)
+    return rule
+
+
+def _find(func: Any) -> Rule:
+    """The rule for an operator: by name, then by kind (attention, convolution, elementwise,
+    reduction, along a dimension, a loss with ``reduction=``), else :func:`fallback`."""
+    name = func.overloadpacket.__name__.rstrip("_")
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    if name.startswith(("_scaled_dot_product", "scaled_dot_product", "_flash_attention",
+                        "_efficient_attention")):
+        return attention
+    if "conv" in name and "backward" not in name:
+        return first_input_at(0, what="a convolution")
+    if torch.Tag.pointwise in func.tags:
+        return pointwise
+    if name in _LINEAR_REDUCTIONS:
+        return reduction(True)
+    if name in _REDUCTIONS or (torch.Tag.reduction in func.tags and name not in _ALONG):
+        return reduction(False)
+    if name in _ALONG:
+        return along
+    if "reduction" in positions(func):
+        return reduced_loss
+    if name in LINEAR or name in (
+        "where", "masked_fill", "native_dropout", "bernoulli", "fill", "zero",
+    ):
+        return pointwise
+    return fallback

@@ -1,0 +1,481 @@
+"""The batch's own math: a loss that couples the batch's rows is refused at the first split,
+with the state unchanged, naming the operator and the user's line; per-row losses are never
+refused; contrastive losses split exactly through ``embed_in_pieces`` (the cached-embedding
+split), alone, under ``retry_on_oom`` and under ``SimulatedGPU``."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+import autobatch
+from autobatch import AutobatchError, embed_in_pieces, retry_on_oom
+from autobatch.testing import SimulatedGPU, inject_oom
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+Loss = Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+
+
+def _model(seed: int = 0, out: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, out))
+
+
+def _data(call: int = 0, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + call)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _info_nce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, _ = batch
+    za, zb = F.normalize(model(x), dim=1), F.normalize(model(x.flip(1)), dim=1)
+    return F.cross_entropy(za @ zb.T / 0.1, torch.arange(len(x)))
+
+
+def _max_over_rows(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="none").max()
+
+
+def _batch_hard_triplet(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    z = model(x)
+    d = torch.cdist(z, z)
+    same = y[:, None] == y[None, :]
+    hardest_pos = (d * same).max(1).values
+    hardest_neg = (d + 1e3 * same).min(1).values
+    return (hardest_pos - hardest_neg + 1.0).clamp(min=0).mean()
+
+
+def _token_mean(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    mask = (y > 0).to(x.dtype)
+    return (F.cross_entropy(model(x), y, reduction="none") * mask).sum() / mask.sum()
+
+
+COUPLED: dict[str, tuple[Loss, str, str]] = {  # loss, the operator named, the fix named
+    "InfoNCE": (_info_nce, "aten.mm", "embed_in_pieces"),
+    "max over rows": (_max_over_rows, "aten.max", "mean or sum over the rows"),
+    "batch-hard triplet": (_batch_hard_triplet, "aten.cdist_forward", "embed_in_pieces"),
+    "token mean without items=": (_token_mean, "aten.div", "items="),
+}
+
+
+def _trainer(loss: Loss) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[Any], Any]]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(batch: Any) -> torch.Tensor:
+        opt.zero_grad()
+        value = loss(model, batch)
+        value.backward()
+        opt.step()
+        return value.detach()
+
+    return model, opt, step
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.parameters()] + [
+        v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+
+
+@pytest.mark.parametrize("at_call", [0, 2])  # the first call split, or a later one
+@pytest.mark.parametrize("name", list(COUPLED))
+def test_a_loss_coupling_rows_is_refused_at_the_first_split_with_the_state_unchanged(
+    name: str, at_call: int
+) -> None:
+    loss, op, fix = COUPLED[name]
+    model, opt, plain = _trainer(loss)
+    step = retry_on_oom(optimizer=opt)(plain)
+    for call in range(at_call):
+        step(_data(call))
+    before = _state(model, opt)
+    with inject_oom(batch_over=4), pytest.raises(AutobatchError) as refused:
+        step(_data(at_call))
+    message = str(refused.value)
+    assert op in message
+    assert fix in message
+    assert "test_row_coupling.py" in message  # the user's line that mixed the rows
+    after = _state(model, opt)
+    assert len(after) == len(before)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_the_token_mean_is_exact_with_items() -> None:
+    reference, _, ref_step = _trainer(_token_mean)
+    model, opt, plain = _trainer(_token_mean)
+    step = retry_on_oom(optimizer=opt, items=lambda b: sum(v > 0 for v in b[1].tolist()))(plain)
+    for call in range(3):
+        batch = _data(call)
+        ref_step(batch)
+        with inject_oom(batch_over=3):
+            step(batch)
+    assert step.stats.ooms >= 1
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+# The cached-embedding split -------------------------------------------------------------------
+
+
+class _Clip(nn.Module):
+    """Two encoders (an image MLP; a text encoder over tokens, mean-pooled) and a learned
+    temperature."""
+
+    def __init__(self, seed: int = 0, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.image = nn.Sequential(nn.Linear(12, width), nn.GELU(), nn.Linear(width, 8))
+        self.embed = nn.Embedding(40, width)
+        self.text = nn.Sequential(
+            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()
+        )
+        self.project = nn.Linear(width, 8)
+        self.log_scale = nn.Parameter(torch.tensor(2.0))
+
+    def encode(self, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.image(rows["image"]), self.project(self.text(self.embed(rows["text"])).mean(1))
+
+    def loss(self, embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, b = (F.normalize(e, dim=1) for e in embeddings)
+        logits = self.log_scale.exp() * a @ b.T
+        labels = torch.arange(len(a))
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def _pairs(n: int, seed: int = 0, tokens: int = 4) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"image": torch.randn(n, 12, generator=g),
+            "text": torch.randint(0, 40, (n, tokens), generator=g)}
+
+
+def _triplet_model(seed: int = 0) -> tuple[nn.Module, Callable[..., Any], Callable[..., Any]]:
+    model = _model(seed, out=5)
+
+    def encode(rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return model(rows[0])
+
+    def loss_of(labels: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        def loss(z: torch.Tensor) -> torch.Tensor:
+            return _batch_hard_triplet(nn.Identity(), (z, labels))
+        return loss
+
+    return model, encode, loss_of
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 7])
+def test_the_cached_embedding_split_of_info_nce_equals_the_unsplit_step(chunk: int) -> None:
+    reference, model = _Clip(), _Clip()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for call in range(3):
+        batch = _pairs(20, call)
+        ref_opt.zero_grad()
+        ref_loss = reference.loss(reference.encode(batch))
+        ref_loss.backward()
+        ref_opt.step()
+        opt.zero_grad()
+        loss = embed_in_pieces(model.encode, model.loss, batch, chunk=chunk)
+        assert model.log_scale.grad is not None  # (the loss's own parameter)
+        opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
+    _close(_params(model), _params(reference))
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 7])
+def test_the_cached_embedding_split_of_a_batch_hard_triplet_equals_the_unsplit_step(
+    chunk: int,
+) -> None:
+    reference, ref_encode, ref_loss_of = _triplet_model()
+    model, encode, loss_of = _triplet_model()
+    batch = _data(0, n=16)
+    ref_loss_of(batch[1])(ref_encode(batch)).backward()
+    embed_in_pieces(encode, loss_of(batch[1]), batch, chunk=chunk)
+    _close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+
+
+def test_a_guarded_clip_step_trains_four_times_the_largest_naive_batch_exactly() -> None:
+    """Under SimulatedGPU: the naive step fits a batch of n, the guarded cached-embedding step
+    trains 4n, and its parameters equal the unsplit step's on an unbounded device."""
+    capacity, width, tokens = "24MiB", 256, 32
+
+    def naive_fits(n: int) -> bool:
+        model = _Clip(width=width)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        try:
+            with SimulatedGPU(capacity):
+                for _ in range(2):
+                    opt.zero_grad()
+                    model.loss(model.encode(_pairs(n, tokens=tokens))).backward()
+                    opt.step()
+        except torch.OutOfMemoryError:
+            return False
+        return True
+
+    largest = max(n for n in (8, 16, 32, 64, 128, 256) if naive_fits(n))
+    assert largest <= 64, largest  # (the capacity binds)
+    assert not naive_fits(2 * largest)
+    n = 4 * largest
+    reference, model = _Clip(width=width), _Clip(width=width)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        opt.zero_grad()
+        loss = embed_in_pieces(model.encode, model.loss, batch)
+        opt.step()
+        return loss
+
+    for call in range(2):
+        batch = _pairs(n, call, tokens=tokens)
+        ref_opt.zero_grad()
+        reference.loss(reference.encode(batch)).backward()
+        ref_opt.step()
+        with SimulatedGPU(capacity):
+            step(batch)
+    assert step.stats.ooms >= 1
+    _close(_params(model), _params(reference))
+
+
+def test_a_naive_split_of_the_clip_step_is_refused() -> None:
+    model = _Clip()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _params(model)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        opt.zero_grad()
+        model.loss(model.encode(batch)).backward()
+        opt.step()
+
+    with inject_oom(batch_over=4), pytest.raises(AutobatchError, match="embed_in_pieces"):
+        step(_pairs(8))
+    _close(_params(model), before)
+
+
+class _Noisy(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(12, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        z = self.linear(rows["image"])
+        if self.kind == "batch norm":
+            return self.norm(z)
+        if self.kind == "state":
+            self.calls += 1
+            return z
+        noise = torch.rand(z.shape, generator=self.generator)  # not torch's default generator
+        return z * (noise > 0.2)
+
+
+@pytest.mark.parametrize(("kind", "match"), [
+    ("batch norm", "BatchNorm in training mode"),
+    ("state", "existed before it"),
+    ("own generator", "other embeddings"),
+])
+def test_what_the_cached_embedding_split_cannot_keep_exact_is_refused_before_gradients_land(
+    kind: str, match: str
+) -> None:
+    encoder = _Noisy(kind)
+    with pytest.raises(AutobatchError, match=match):
+        embed_in_pieces(encoder, lambda z: (z @ z.T).logsumexp(1).mean(), _pairs(8), chunk=4)
+    assert all(p.grad is None for p in encoder.parameters())
+    assert float(encoder.calls) == 0
+
+
+def test_dropout_from_torch_s_generators_is_replayed() -> None:
+    torch.manual_seed(3)
+    encoder = nn.Sequential(nn.Linear(12, 8), nn.Dropout(0.3))
+    batch = _pairs(12)
+    embed_in_pieces(lambda rows: encoder(rows["image"]), lambda z: (z @ z.T).logsumexp(1).mean(),
+                    batch, chunk=5)
+    assert encoder[0].weight.grad is not None
+
+
+def test_find_max_batch_sizes_a_cached_embedding_step_by_its_loss() -> None:
+    """With ``chunk=`` fixed, the largest batch is set by all embeddings and the loss over
+    them, not by one encoder pass: larger than the naive step's."""
+    def finder(chunk: int | None) -> int:
+        model = _Clip(width=64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> None:
+            opt.zero_grad()
+            embed_in_pieces(model.encode, model.loss, batch, chunk=chunk)
+            opt.step()
+
+        with SimulatedGPU("8MiB"):
+            return autobatch.find_max_batch(
+                model, _pairs(1, tokens=32), step_fn=step, max_batch=1024, headroom=0.0
+            )
+
+    assert finder(32) > 4 * finder(None)  # (measured: 362 and 64)
+
+
+# Properties -----------------------------------------------------------------------------------
+
+_PER_ROW = ["linear", "conv over positions", "attention over tokens", "embedding", "layer norm",
+            "softmax over features", "max over tokens", "top-k over features",
+            "normalize per row", "gather per row"]
+_ENDS = ["mean", "sum", "mixed", "per-row weights"]
+
+
+class _RowModel(nn.Module):
+    """Tokens (n, 5) -> embeddings (n, 5, 8) -> blocks that treat rows apart -> (n, 3)."""
+
+    def __init__(self, blocks: list[str]) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.embed = nn.Embedding(20, 8)
+        self.linear = nn.Linear(8, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = _block(self, block, h, tokens)
+        return self.head(h.mean(1))
+
+
+def _block(m: _RowModel, block: str, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    if block == "linear":
+        return torch.tanh(m.linear(h))
+    if block == "conv over positions":
+        return m.conv(h.transpose(1, 2)).transpose(1, 2)
+    if block == "attention over tokens":
+        return h + m.attention(h, h, h, need_weights=False)[0]
+    if block == "embedding":
+        return h + m.embed(tokens.flip(1))
+    if block == "layer norm":
+        return m.norm(h)
+    if block == "softmax over features":
+        return h.softmax(-1) * 3
+    if block == "max over tokens":
+        return h + h.max(1, keepdim=True).values
+    if block == "top-k over features":
+        return h + h.topk(2, dim=-1).values.sum(-1, keepdim=True)
+    if block == "normalize per row":
+        return F.normalize(h, dim=-1)
+    assert block == "gather per row"
+    picked = h.gather(2, (tokens % 8)[..., None])
+    return h * picked
+
+
+def _end(end: str, out: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    ce = F.cross_entropy(out, y, reduction="none")
+    if end == "mean":
+        return ce.mean()
+    if end == "sum":
+        return ce.sum()
+    if end == "mixed":
+        return F.cross_entropy(out, y) + 0.1 * out.pow(2).sum(1).mean() + 0.01 * out.abs().mean()
+    return (ce * w).sum() / len(y)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=True)
+@given(blocks=st.lists(st.sampled_from(_PER_ROW), min_size=1, max_size=4),
+       end=st.sampled_from(_ENDS), n=st.integers(5, 9))
+def test_per_row_models_are_never_refused_and_split_exactly(
+    blocks: list[str], end: str, n: int
+) -> None:
+    g = torch.Generator().manual_seed(n)
+    batch = (torch.randint(0, 20, (n, 5), generator=g), torch.randint(0, 3, (n,), generator=g),
+             torch.rand(n, generator=g))
+    torch.manual_seed(0)
+    reference = _RowModel(blocks)
+    model = copy.deepcopy(reference)
+    results = []
+    for m, guarded in ((reference, False), (model, True)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(b: Any, m: nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
+            opt.zero_grad()
+            _end(end, m(b[0]), b[1], b[2]).backward()
+            opt.step()
+
+        if guarded:
+            guarded_step = retry_on_oom(optimizer=opt, reduction="sum" if end == "sum" else "mean")(step)
+            with inject_oom(batch_over=max(n // 3, 1)):
+                guarded_step(batch)
+            assert guarded_step.stats.ooms >= 1
+        else:
+            step(batch)
+        results.append(_params(m))
+    _close(results[1], results[0])
+
+
+_MIXING: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "similarity matrix": lambda z, y: F.cross_entropy(z @ z.T, torch.arange(len(z))),
+    "pairwise distances": lambda z, y: torch.cdist(z, z).mean(),
+    "centering over the batch": lambda z, y: (z - z.mean(0)).pow(2).mean(),
+    "norm over the batch": lambda z, y: (z / z.norm(dim=0)).sum(1).mean(),
+    "softmax over the batch": lambda z, y: (z.softmax(0) * torch.arange(len(z))[:, None]).sum(),
+    "cumsum over the batch": lambda z, y: z.cumsum(0).pow(2).mean(),
+    "max over the batch": lambda z, y: z.max(0).values.sum(),
+    "sort over the batch": lambda z, y: (z.sort(0).values[:1]).sum(),
+    "top-k over the batch": lambda z, y: z.topk(2, dim=0).values.sum(),
+    "shuffled negatives": lambda z, y: (z * z[torch.randperm(len(z))]).sum(1).mean(),
+    "rolled negatives": lambda z, y: (z * z.roll(1, 0)).sum(1).mean(),
+    "halves paired": lambda z, y: (z[: len(z) // 2] * z[len(z) // 2: 2 * (len(z) // 2)]).mean(),
+    "variance over the batch": lambda z, y: z.var(0).sum(),
+    "logsumexp over the batch": lambda z, y: z.logsumexp(0).sum(),
+    "layer norm across the batch": lambda z, y: F.layer_norm(z.T, (len(z),)).pow(3).mean(),
+    "hardest example": lambda z, y: F.cross_entropy(z, y % 3, reduction="none").topk(2).values.mean(),
+    "data-dependent count": lambda z, y: (z.sum(1) * (y > 0)).sum() / (y > 0).sum(),
+    "first row as anchor": lambda z, y: (z * z[:1]).sum(1).mean() + (z - z[0]).abs().mean(),
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=True)
+@given(blocks=st.lists(st.sampled_from(_PER_ROW), min_size=0, max_size=2),
+       mixing=st.sampled_from(sorted(_MIXING)), n=st.integers(6, 9))
+def test_row_mixing_operators_are_never_split_silently(
+    blocks: list[str], mixing: str, n: int
+) -> None:
+    torch.manual_seed(0)
+    model = _RowModel(blocks)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(n)
+    batch = (torch.randint(0, 20, (n, 5), generator=g), torch.randint(0, 3, (n,), generator=g))
+    before = _params(model)
+
+    @retry_on_oom(optimizer=opt)
+    def step(b: Any) -> None:
+        opt.zero_grad()
+        _MIXING[mixing](model(b[0]), b[1]).backward()
+        opt.step()
+
+    with inject_oom(batch_over=n // 2), pytest.raises(AutobatchError, match="micro-batches"):
+        step(batch)
+    _close(_params(model), before)
