@@ -189,6 +189,16 @@ REFUSED: tuple[str, ...] = (
     "a bare `@retry_on_oom` (no `optimizer=`, no `policy=`) on a step known to call "
     "`optimizer.step()`: each micro-batch would take its own step (where the first sign of it "
     "is a micro-batch's step, a warning names the optimizer instead)",
+    "a loss that mixes the batch's rows, found by following the rows through every operator "
+    "of a micro-batch's forward: a product or distance that pairs rows (InfoNCE and CLIP's "
+    "`za @ zb.T`, `torch.cdist`, batch-hard triplet mining, shuffled or rolled negatives), a "
+    "max, min, sort, top-k, softmax, cumulative sum or normalisation over the rows, a sum over "
+    "the rows used non-linearly or with the rows themselves (`x - x.mean(0)`), part of the "
+    "rows (a slice, the first row as anchor), and a mean whose count depends on the batch's "
+    "content (`l.sum() / mask.sum()`, `ignore_index` or class weights that leave rows with "
+    "different counts) without `items=`; the refusal names the operator and the line that "
+    "mixed the rows, and for a loss over the whole batch's embeddings points to "
+    "`embed_in_pieces`",
 )
 
 
