@@ -24,7 +24,6 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn

@@ -183,13 +183,14 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 7])
-def test_the_cached_embedding_split_of_info_nce_equals_the_unsplit_step(chunk: int) -> None:
+@pytest.mark.parametrize("pieces", [2, 3, 7])
+def test_the_cached_embedding_split_of_info_nce_equals_the_unsplit_step(pieces: int) -> None:
     reference, model = _Clip(), _Clip()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    chunk = -(-21 // pieces)  # 21 rows in 2, 3 and 7 micro-batches
     for call in range(3):
-        batch = _pairs(20, call)
+        batch = _pairs(21, call)
         ref_opt.zero_grad()
         ref_loss = reference.loss(reference.encode(batch))
         ref_loss.backward()
@@ -202,13 +203,14 @@ def test_the_cached_embedding_split_of_info_nce_equals_the_unsplit_step(chunk: i
     _close(_params(model), _params(reference))
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 7])
+@pytest.mark.parametrize("pieces", [2, 3, 7])
 def test_the_cached_embedding_split_of_a_batch_hard_triplet_equals_the_unsplit_step(
-    chunk: int,
+    pieces: int,
 ) -> None:
     reference, ref_encode, ref_loss_of = _triplet_model()
     model, encode, loss_of = _triplet_model()
-    batch = _data(0, n=16)
+    batch = _data(0, n=21)
+    chunk = -(-21 // pieces)
     ref_loss_of(batch[1])(ref_encode(batch)).backward()
     embed_in_pieces(encode, loss_of(batch[1]), batch, chunk=chunk)
     _close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
@@ -255,6 +257,31 @@ def test_a_guarded_clip_step_trains_four_times_the_largest_naive_batch_exactly()
         with SimulatedGPU(capacity):
             step(batch)
     assert step.stats.ooms >= 1
+    _close(_params(model), _params(reference))
+
+
+def test_oom_guard_runs_a_cached_embedding_step_in_chunks_exactly() -> None:
+    reference, model = _Clip(width=256), _Clip(width=256)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        opt.zero_grad()
+        loss = embed_in_pieces(model.encode, model.loss, batch)
+        opt.step()
+        return loss
+
+    loader = [_pairs(128, seed, tokens=32) for seed in range(3)]
+    for batch in loader:
+        ref_opt.zero_grad()
+        reference.loss(reference.encode(batch)).backward()
+        ref_opt.step()
+    with SimulatedGPU("24MiB"), autobatch.oom_guard(loader) as guard:
+        for batch in guard:
+            step(batch)
+    assert guard.stats.ooms >= 1
+    assert guard.stats.samples == 3 * 128
     _close(_params(model), _params(reference))
 
 
