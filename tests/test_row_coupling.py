@@ -365,6 +365,76 @@ def test_find_max_batch_sizes_a_cached_embedding_step_by_its_loss() -> None:
     assert finder(32) > 4 * finder(None)  # (measured: 362 and 64)
 
 
+# Per-row steps that move rows around --------------------------------------------------------
+
+
+class _Packed(nn.Module):
+    """A GRU over padded rows of different lengths, packed unsorted (sorted, then put back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.embed(tokens), lengths, batch_first=True, enforce_sorted=False)
+        out, hidden = self.gru(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return self.head(hidden[-1] + padded.sum(1))
+
+
+def _rows_moved(kind: str, model: nn.Module, batch: Any) -> torch.Tensor:
+    tokens, y, lengths = batch
+    if kind == "packed, unsorted":
+        return F.cross_entropy(model(tokens, lengths), y)
+    if kind == "shuffled together":
+        perm = torch.randperm(len(y))
+        return F.cross_entropy(model.head(model.embed(tokens[perm]).mean(1)), y[perm])
+    if kind == "a loop over the rows":
+        losses = [F.cross_entropy(model.head(model.embed(tokens[i]).mean(0)), y[i])
+                  for i in range(len(y))]
+        return sum(losses) / len(losses)  # type: ignore[return-value]
+    if kind == "stacked per-row losses":
+        rows = [F.cross_entropy(model.head(model.embed(t).mean(0)), c)
+                for t, c in zip(tokens.unbind(0), y.unbind(0), strict=True)]
+        return torch.stack(rows).mean()
+    assert kind == "selected by a mask"
+    keep = y > 0
+    return F.cross_entropy(model.head(model.embed(tokens)[keep].mean(1)), y[keep],
+                           reduction="sum") / len(y)
+
+
+@pytest.mark.parametrize("kind", ["packed, unsorted", "shuffled together",
+                                  "a loop over the rows", "stacked per-row losses",
+                                  "selected by a mask"])
+def test_rows_reordered_selected_or_looped_over_are_not_refused(kind: str) -> None:
+    g = torch.Generator().manual_seed(4)
+    n = 8
+    batch = (torch.randint(0, 20, (n, 6), generator=g), torch.randint(0, 3, (n,), generator=g),
+             torch.randint(1, 7, (n,), generator=g))
+    torch.manual_seed(0)
+    reference = _Packed()
+    model = copy.deepcopy(reference)
+    for m, guarded in ((reference, False), (model, True)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(b: Any, m: nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
+            torch.manual_seed(7)  # (the same shuffle, whole or split: per micro-batch, rows)
+            opt.zero_grad()
+            _rows_moved(kind, m, b).backward()
+            opt.step()
+
+        if guarded:
+            with inject_oom(batch_over=4):
+                retry_on_oom(optimizer=opt)(step)(batch)
+        else:
+            step(batch)
+    if kind != "shuffled together":  # (a shuffle per micro-batch: other rows, same math)
+        _close(_params(model), _params(reference))
+
+
 # Properties -----------------------------------------------------------------------------------
 
 _PER_ROW = ["linear", "conv over positions", "attention over tokens", "embedding", "layer norm",
@@ -479,7 +549,10 @@ _MIXING: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "layer norm across the batch": lambda z, y: F.layer_norm(z.T, (len(z),)).pow(3).mean(),
     "hardest example": lambda z, y: F.cross_entropy(z, y % 3, reduction="none").topk(2).values.mean(),
     "data-dependent count": lambda z, y: (z.sum(1) * (y > 0)).sum() / (y > 0).sum(),
-    "first row as anchor": lambda z, y: (z * z[:1]).sum(1).mean() + (z - z[0]).abs().mean(),
+    "first rows as anchors": lambda z, y: (z * z[:1]).sum(1).mean(),
+    "one row against the rest": lambda z, y: (z - z[0]).abs().mean(),
+    "flipped pairs": lambda z, y: (z * z.flip(0)).sum(1).mean(),
+    "a loop pairing neighbours": lambda z, y: sum((z[i] * z[i + 1]).sum() for i in range(2)),
 }
 
 

@@ -15,6 +15,8 @@ from autobatch._recovery._inspect import engine_work, user_frame
 
 AGG = -1  #: a sum or mean over the rows
 FREE = -2  #: no rows left, but made from them (tainted)
+ONE = -3  #: one row of the batch (``x[i]``, a loop over the rows): ``order`` holds its row
+PACKED = -4  #: a packed sequence's data and what an RNN makes of it (``order``: the rows packed)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class Tag:
     #: how many consecutive indices of ``dim`` one row spans (a reshape merged the rows with
     #: the dimensions after them: ``(rows, heads) -> rows * heads`` spans ``heads``)
     inner: int = 1
+    #: which of the batch's rows each index of ``dim`` holds, where an index reordered or
+    #: selected them (``None``: the batch's own order)
+    order: torch.Tensor | None = None
 
 
 class Watch(Protocol):
@@ -106,24 +111,43 @@ class Op:
         return Taint(f"{what} (aten.{self.label})", user_frame(), kind)
 
     def put(self, t: torch.Tensor, dim: int, taint: Taint | None = None,
-            segments: tuple[int, ...] | None = None, inner: int | None = None) -> None:
-        """Tag ``t``; ``inner`` by default that of the first input with rows (a dimension
-        carried over whole)."""
+            segments: tuple[int, ...] | None = None, inner: int | None = None,
+            order: torch.Tensor | bool | None = True) -> None:
+        """Tag ``t``; ``inner`` and ``order`` by default those of the first input with rows
+        (a dimension carried over whole; ``order=None``: the batch's own order)."""
         taint = taint or self.inherited
         if dim >= t.dim():
             dim = FREE
         if dim == FREE and taint is None:
             self.watch.tags.pop(t, None)  # type: ignore[no-untyped-call]
             return
+        rows = self.rows()
         if inner is None:
-            rows = self.rows()
             inner = rows[0][1].inner if rows and dim >= 0 else 1
-        self.watch.tags[t] = Tag(dim, taint, segments, inner)
+        if order is True:
+            order = rows[0][1].order if rows and dim >= 0 else None
+        kept = order if isinstance(order, torch.Tensor) else None
+        self.watch.tags[t] = Tag(dim, taint, segments, inner, kept)
 
     def put_all(self, dim: int, taint: Taint | None = None,
-                segments: tuple[int, ...] | None = None, inner: int | None = None) -> None:
+                segments: tuple[int, ...] | None = None, inner: int | None = None,
+                order: torch.Tensor | bool | None = True) -> None:
         for t in self.outputs():
-            self.put(t, dim, taint, segments, inner)
+            self.put(t, dim, taint, segments, inner, order)
+
+    def orders_agree(self) -> bool:
+        """Whether every input with rows holds them in one order (else a row meets another)."""
+        rows = self.rows()
+        first = rows[0][1].order if rows else None
+        if all(tag.order is first for _, tag in rows):
+            return True
+        with engine_work(), torch.no_grad():
+            base = _ids(rows[0][0], rows[0][1])
+            return all(torch.equal(_ids(t, tag), base) for t, tag in rows[1:])
+
+    def paired(self) -> Taint:
+        return self.taint("the batch's rows paired with other rows of the batch (reordered "
+                          "by an index, flipped or rolled)", "pairs")
 
     def rows(self) -> list[tuple[torch.Tensor, Tag]]:
         return [(t, tag) for t, tag in self.tagged if tag.dim >= 0]
@@ -134,6 +158,19 @@ class Op:
     def mixed(self) -> Taint:
         return self.taint("a sum or mean over the batch's rows combined with the rows "
                           "themselves (a normalisation over the batch)")
+
+
+def _ids(t: torch.Tensor, tag: Tag) -> torch.Tensor:
+    """The rows each index of ``tag.dim`` holds (in the batch's own order: 0, 1, ...)."""
+    if tag.order is not None:
+        return tag.order
+    return torch.arange(t.shape[tag.dim] // tag.inner, device=t.device)
+
+
+def ids(t: torch.Tensor, tag: Tag) -> torch.Tensor:
+    """:func:`_ids`, for the rules of shapes (in the engine's own work)."""
+    with engine_work(), torch.no_grad():
+        return _ids(t, tag)
 
 
 _POSITIONS: dict[Any, dict[str, int]] = {}
@@ -203,6 +240,9 @@ def pointwise(op: Op) -> None:
         op.put_all(min(dims), op.taint("two tensors' rows paired with each other "
                                        "(a pairwise difference or product over the batch)",
                                        "pairs"))
+        return
+    if len(rows) > 1 and not op.orders_agree():
+        op.put_all(dims.pop(), op.paired())
         return
     (dim,) = dims
     t, tag = rows[0]
@@ -278,10 +318,32 @@ def along(op: Op) -> None:
         return
     dims = op.arg("dim", op.arg("dims", -1))
     dims = [dims] if isinstance(dims, int) else list(dims) or list(range(t.dim()))
-    if tag.dim in {norm(d, t.dim()) for d in dims}:
+    if tag.dim not in {norm(d, t.dim()) for d in dims}:
+        op.put_all(tag.dim)
+        return
+    order = _permuted(op, t, tag, len(dims))
+    if order is None:
         op.put_all(tag.dim, op.taint(f"a {op.label} across the batch's rows"))
         return
-    op.put_all(tag.dim)
+    op.put_all(tag.dim, order=order)  # (the same rows, in another order)
+
+
+def _permuted(op: Op, t: torch.Tensor, tag: Tag, dims: int) -> torch.Tensor | None:
+    """The rows' order after a flip, a roll or a sort along them (of a tensor with no other
+    dimension: each column of a matrix would be sorted apart), else ``None``."""
+    if tag.inner != 1:
+        return None
+    with engine_work(), torch.no_grad():
+        base = _ids(t, tag)
+        if op.name == "flip" and dims == 1:
+            return base.flip(0)
+        if op.name == "roll" and dims == 1:
+            return base.roll(op.arg("shifts")[0], 0)
+        if op.name in ("sort", "argsort") and t.dim() == 1:
+            out = op.out
+            indices = out if isinstance(out, torch.Tensor) else out[1]
+            return base[indices]
+    return None
 
 
 def matmul(lhs: int, rhs: int, batched: bool, bias: int | None = None) -> Rule:
@@ -416,6 +478,9 @@ def nll(op: Op) -> None:
         else:
             op.put_all(FREE, op.taint("a cross-entropy whose rows are not the batch's"))
         return
+    if ti is not None and tt is not None and not op.orders_agree():
+        op.put_all(FREE, op.paired())
+        return
     reduced = op.arg("reduction", 1)
     outs = op.outputs()
     if reduced == 0:
@@ -492,15 +557,95 @@ def fallback(op: Op) -> None:
     if not rows:
         op.put_all(FREE)
         return
+    if len(rows) > 1 and not op.orders_agree():
+        op.put_all(FREE, op.paired())
+        return
     t, tag = rows[0]
     size = t.shape[tag.dim]
     for out in op.outputs():
         if out.dim() > tag.dim and out.shape[tag.dim] == size:
             op.put(out, tag.dim)
             continue
-        same = [k for k, s in enumerate(out.shape) if s == size]
+        same = [k for k, s in enumerate(out.shape) if s == size] or [
+            k for k, s in enumerate(out.shape) if s == op.watch.rows]
         if len(same) == 1:
             op.put(out, same[0])
         else:
             op.put(out, FREE, op.taint(f"aten.{op.label}, which autobatch cannot follow along "
                                        "the batch's rows"))
+
+
+def packed(op: Op) -> None:
+    """``pack_padded_sequence``: the data holds the rows' tokens (rows merged), in the order
+    of the rows packed; ``pad_packed_sequence`` gives them back as rows in that order."""
+    t = op.args[0]
+    tag = op.tag_of(t)
+    outs = op.outputs()
+    if tag is None or not outs or tag.dim != (
+        PACKED if op.name == "_pad_packed_sequence" else 0
+    ):
+        fallback(op)
+        return
+    if op.name == "_pack_padded_sequence":
+        op.put(outs[0], PACKED, order=tag.order)
+        return
+    first = bool(op.arg("batch_first", False))
+    op.put(outs[0], 0 if first else 1, inner=1, order=tag.order)
+    if len(outs) > 1:
+        op.put(outs[1], 0, inner=1, order=tag.order)
+
+
+def within_packed(op: Op) -> bool:
+    """An operator on a packed sequence (an RNN's steps over it): what it makes stays packed,
+    followed as a whole; met with rows, it is taken as not holding rows. Whether handled."""
+    packs = [tag for _, tag in op.tagged if tag.dim == PACKED]
+    if not packs or op.name == "_pad_packed_sequence":
+        return False
+    rest = [(t, tag) for t, tag in op.tagged if tag.dim != PACKED]
+    if not rest:
+        op.put_all(PACKED, order=packs[0].order)
+        written = op.args[0] if op.args and op.out is op.args[0] else None
+        base = getattr(written, "_base", None)  # (copied into a view of an output: pad)
+        if base is not None and op.tag_of(base) is None:
+            op.put(base, PACKED, order=packs[0].order)
+        return True
+    order, index = packs[0].order, op.arg("index")
+    if op.name == "index_select" and order is not None and isinstance(index, torch.Tensor) and (
+        op.args[0].shape[norm(op.arg("dim"), op.args[0].dim())] == order.numel()
+    ):  # (the rows put back in the batch's order: pad_packed_sequence, an RNN's state)
+        with engine_work(), torch.no_grad():
+            op.put_all(norm(op.arg("dim"), op.args[0].dim()), inner=1, order=order[index])
+        return True
+    op.tagged = rest
+    return False
+
+
+_ADDS = frozenset({"add", "sub", "rsub"})
+
+
+def single(op: Op) -> None:
+    """An operator on one row of the batch (``x[i]``, a loop over the rows): work on that row
+    alone keeps it one row; rows stacked are rows again (in that order); rows added make a sum
+    over rows; anything else that meets another row mixes them."""
+    rows = [(t, tag) for t, tag in op.tagged if tag.dim == ONE]
+    others = [tag for _, tag in op.tagged if tag.dim != ONE]
+    first = rows[0][1].order
+    with engine_work(), torch.no_grad():
+        same = all(tag.order is first or (
+            tag.order is not None and first is not None and torch.equal(tag.order, first)
+        ) for _, tag in rows)
+    if same and not others:
+        op.put_all(ONE, order=first)
+        return
+    if op.name in ("stack", "cat") and not others:
+        with engine_work(), torch.no_grad():
+            order = torch.cat([tag.order for _, tag in rows if tag.order is not None])
+        outs = op.outputs()
+        dim = norm(op.arg("dim", 0), outs[0].dim()) if outs else 0
+        op.put_all(dim, inner=1, order=order if op.name == "stack" else None)
+        return
+    if op.name in _ADDS and all(tag.dim == AGG for tag in others):
+        op.put_all(AGG)  # (a sum over rows, one at a time)
+        return
+    op.put_all(FREE, op.taint("one row of the batch combined with other rows (x[i] with x, "
+                              "or with another row)", "pairs"))

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from autobatch._recovery._inspect import engine_work
-from autobatch._recovery._row_ops import AGG, FREE, Op, keep_segments, norm
+from autobatch._recovery._row_ops import AGG, FREE, ONE, Op, Tag, ids, keep_segments, norm
 
 
 def view(op: Op) -> None:
@@ -64,17 +64,24 @@ def moved(op: Op) -> None:
 
 
 def select(op: Op) -> None:
-    """One index of a dimension: of the rows' own, one row (a loop over the rows), followed
-    no further."""
+    """One index of a dimension: of the rows' own, one row (a loop over the rows)."""
     t, tag = op.tagged[0]
     if tag.dim < 0:
         op.put_all(tag.dim)
         return
     dim = norm(op.arg("dim"), t.dim())
     if dim == tag.dim:
-        op.put_all(FREE)
+        op.put_all(ONE, order=_row(t, tag, op.arg("index")))
         return
     op.put_all(tag.dim - (dim < tag.dim))
+
+
+def _row(t: torch.Tensor, tag: Tag, i: int) -> torch.Tensor:
+    """Which of the batch's rows index ``i`` of the rows' dimension holds (of rows merged
+    with the dimensions after them, the row it is part of)."""
+    i = i + t.shape[tag.dim] if i < 0 else i
+    row = i // tag.inner
+    return ids(t, tag)[row : row + 1]
 
 
 def slice_(op: Op) -> None:
@@ -100,7 +107,11 @@ def split(op: Op) -> None:
         return
     dim = norm(op.arg("dim", 0), t.dim())
     if op.name == "unbind":
-        op.put_all(FREE if dim == tag.dim else tag.dim - (dim < tag.dim))
+        if dim != tag.dim:
+            op.put_all(tag.dim - (dim < tag.dim))
+            return
+        for i, out in enumerate(op.outputs()):  # (a loop over the rows: one row each)
+            op.put(out, ONE, order=_row(t, tag, i))
         return
     if dim != tag.dim:
         op.put_all(tag.dim)
@@ -150,10 +161,13 @@ def gather_like(op: Op) -> None:
     if any(tag is not None and tag.dim < 0 for tag in (tt, ti)):
         op.put_all(FREE, op.mixed() if op.aggregates() else None)
         return
-    if tt is not None and tt.dim == dim and not _identity(index, t.shape[dim]) and (
-        ti is None or op.name != "index_select"
-    ):
-        op.put_all(dim, op.taint("the batch's rows picked or reordered by an index", "pairs"))
+    if tt is not None and tt.dim == dim:
+        order = _picked(t, tt, index, made=ti is not None) if op.name == "index_select" else None
+        if order is None:
+            op.put_all(dim, op.taint("the batch's rows picked or reordered by an index",
+                                     "pairs"))
+        else:
+            op.put_all(dim, order=order)
         return
     if tt is not None:
         op.put_all(tt.dim)
@@ -161,12 +175,26 @@ def gather_like(op: Op) -> None:
         op.put_all(ti.dim if op.name == "gather" else dim)
 
 
-def _identity(index: Any, size: int) -> bool:
-    """Whether ``index`` is ``arange(size)`` along one dimension (``[:, None]`` and all)."""
-    if not isinstance(index, torch.Tensor) or index.numel() != size or index.is_floating_point():
-        return False
+def _picked(t: torch.Tensor, tag: Tag, index: Any, *, made: bool) -> torch.Tensor | None:
+    """The rows' order after indexing the rows' dimension with ``index``: any index made from
+    the batch (a selection by content, a sort) or a permutation of all the rows; ``None``
+    for any other (rows picked by position depend on how the batch is cut)."""
+    if not isinstance(index, torch.Tensor) or tag.inner != 1:
+        return None
     with engine_work(), torch.no_grad():
-        return bool((index.reshape(-1) == torch.arange(size, device=index.device)).all())
+        base = ids(t, tag)
+        if index.dtype in (torch.bool, torch.uint8):
+            shape = (-1, *[1] * (index.dim() - 1))
+            return base.reshape(shape).expand(index.shape)[index.bool()]
+        flat = index.reshape(-1)
+        if index.is_floating_point() or (index.dim() > 1 and flat.numel() != max(index.shape)):
+            return None
+        size = t.shape[tag.dim]
+        if not made and not (flat.numel() == size and bool(
+            (flat.sort().values == torch.arange(size, device=flat.device)).all()
+        )):
+            return None
+        return base[flat]
 
 
 def index(op: Op) -> None:
@@ -197,14 +225,15 @@ def index(op: Op) -> None:
     hit = next((i for s, w, i in cover if s <= d < s + w and i is not None), None)
     if hit is not None:
         masks = hit.dtype in (torch.bool, torch.uint8)
-        if not (op.tag_of(hit) is not None or masks or _identity(hit, t.shape[d])):
+        order = _picked(t, tt, hit, made=op.tag_of(hit) is not None)
+        if order is None:
             op.put_all(first, op.taint("the batch's rows picked or reordered by an index",
                                        "pairs"))
             return
         if not masks:  # (where its rows broadcast to)
-            long = [k for k, size in enumerate(hit.shape) if size == t.shape[d]]
+            long = [k for k, size in enumerate(hit.shape) if size == order.numel()]
             first += width - hit.dim() + (long[0] if long else 0)
-        op.put_all(first, inner=1)
+        op.put_all(first, inner=1, order=order)
         return
     before = sum(cover[k][1] for k in used if cover[k][0] < d)
     if adjacent and d < first:

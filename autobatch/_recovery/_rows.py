@@ -36,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autobatch._recovery._row_ops import (
     LINEAR,
+    ONE,
     Op,
     Rule,
     Tag,
@@ -50,12 +51,15 @@ from autobatch._recovery._row_ops import (
     layer_norm,
     matmul,
     nll,
+    packed,
     pairwise,
     pdist,
     pointwise,
     positions,
     reduced_loss,
     reduction,
+    single,
+    within_packed,
 )
 from autobatch._recovery._row_shapes import (
     cat,
@@ -129,7 +133,13 @@ class RowWatch:
         tagged = [(t, tag) for t in flat(args, kwargs) if (tag := tags.get(t)) is not None]  # type: ignore[no-untyped-call]
         if not tagged:
             return
-        rule_for(func)(Op(self, func, args, kwargs, out, tagged))
+        op = Op(self, func, args, kwargs, out, tagged)
+        if within_packed(op):
+            return
+        if any(tag.dim == ONE for _, tag in op.tagged):
+            single(op)
+        else:
+            rule_for(func)(op)
 
     def check(self, roots: Iterable[torch.Tensor], step: str) -> None:
         """``backward()`` of a micro-batch: refuse a loss whose rows were mixed."""
@@ -187,6 +197,7 @@ _BY_NAME: dict[str, Rule] = {
     "embedding": embedding,
     "_local_scalar_dense": item,
     "_ctc_loss": ctc,
+    "_pack_padded_sequence": packed, "_pad_packed_sequence": packed,
 }
 
 
