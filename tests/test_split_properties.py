@@ -10,7 +10,8 @@ or at the end of the step, with either ``set_to_none``; code reading every ``.gr
 backward and step; the layers after the first under a reentrant or a plain checkpoint; the
 first layer unfrozen inside the step; state first written on a later call, the loop having
 replaced a buffer, added a module or made a new metric between calls; another thread
-training its own guarded step meanwhile) and an OOM schedule of
+training its own guarded step meanwhile; a loss that couples the batch's rows: in-batch
+negatives, the hardest row, a mean over labelled rows without ``items=``) and an OOM schedule of
 :func:`autobatch.testing.check_split` (in forward; in backward after a fold, in an early piece
 or the last; for the whole batch on the fast path; in the optimizer's first step). Each run
 must be exact, or refused with an :class:`~autobatch.AutobatchError` that left every value as
@@ -61,6 +62,7 @@ class Parts:
     unfreeze: bool = False  # the first layer is frozen until the step unfreezes it
     later: str = "none"  # between calls the loop: "buffer" replaced, "module" added, "metric" new
     thread: bool = False  # another thread trains its own guarded step meanwhile
+    coupled: str = "none"  # the loss mixes the batch's rows: "pairs", "max", "count"
 
     def refused(self) -> bool:
         """Whether autobatch must refuse this step (it cannot replay it exactly)."""
@@ -70,6 +72,7 @@ class Parts:
             or self.hook != "none"
             or (stepping and self.ema != "none")
             or (stepping and self.scheduler == "not given")
+            or self.coupled in ("pairs", "max") or (self.coupled == "count" and not self.items)
         )
 
 
@@ -115,6 +118,7 @@ def parts(draw: Any) -> Parts:
         later=draw(st.sampled_from(["none", "none", "buffer", "metric"] + (
             [] if ema in ("closure", "self") else ["module"]))),
         thread=draw(st.booleans()) and draw(st.booleans()),
+        coupled=draw(st.sampled_from(["none"] * 9 + ["pairs", "max", "count"])),
     )
 
 
@@ -243,6 +247,12 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
                 tail, model[0](x), use_reentrant=p.checkpoint == "reentrant")
         losses = nn.functional.cross_entropy(out, y, ignore_index=-100, reduction="none")
         loss = losses.sum() / (y != -100).sum().clamp(min=1) if p.items else losses.mean()
+        if p.coupled == "pairs":  # (in-batch negatives)
+            loss = loss + 0.1 * nn.functional.cross_entropy(out @ out.T, torch.arange(len(out)))
+        elif p.coupled == "max":  # (the hardest row)
+            loss = loss + 0.1 * losses.max()
+        elif p.coupled == "count" and not p.items:  # (a mean over labelled rows, undeclared)
+            loss = losses.sum() / (y != -100).sum().clamp(min=1)
         if metric is not None:
             metric.update(losses.detach()[y != -100])
         if later.metric is not None:
