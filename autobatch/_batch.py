@@ -598,3 +598,17 @@ def describe(batch: Batch) -> str:
         else:
             parts.append(f"{key if isinstance(key, str) else repr(key)}: {text}")
     return f"{type(batch).__name__}({', '.join(parts)})"
+
+
+def quick_rows(batch: Batch) -> int:
+    """Rows of a batch for statistics only: a fast look at the first tensor (on every batch of
+    the fast path), else batch_size."""
+    first = batch
+    while (type(first) is tuple or type(first) is list) and first:  # (not a namedtuple)
+        first = first[0]
+    if type(first) is torch.Tensor and first.ndim:
+        return first.shape[0]
+    try:
+        return batch_size(batch)
+    except (TypeError, ValueError):
+        return 0

@@ -332,14 +332,18 @@ def test_per_sample_lists_split_with_the_tensors() -> None:
 def test_unsplittable_batches_give_a_clear_error() -> None:
     @retry_on_oom
     def step(batch: Any) -> None:
-        raise _oom()
+        if not isinstance(batch, dict) or "names" in batch:
+            raise _oom()
 
-    with pytest.raises(AutobatchError, match="cannot split") as caught:
+    with pytest.raises(AutobatchError, match="cannot split") as caught:  # (at the first call)
         step({"x": torch.zeros(8, 2), "names": ["a", "b", "c"]})  # 3 names for 8 rows
     assert "batch dimension 0 differs" in str(caught.value)
-    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
     with pytest.raises(AutobatchError, match="cannot split"):
         step(12)
+    step({"x": torch.zeros(8, 2)})  # (runs whole)
+    with pytest.raises(AutobatchError, match="cannot split") as caught:  # (at its OOM, later)
+        step({"x": torch.zeros(8, 2), "names": ["a", "b", "c"]})
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
 
 
 # --------------------------------------------------------------------------------------------

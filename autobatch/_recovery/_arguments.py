@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch._batch import Batch, ambiguous_paths, slice_batch
+from autobatch._batch import Batch, ambiguous_paths, batch_size, slice_batch
 from autobatch._errors import AutobatchError
 from autobatch._log import user_stacklevel
 
@@ -144,6 +144,59 @@ def bare_steps(engine: Any, stepped: list[torch.optim.Optimizer], *, in_piece: b
             UserWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def foreign_steps(engine: Any, stepped: list[torch.optim.Optimizer]) -> None:
+    """The step stepped optimizers, none of them one it was given: said at once (a later
+    split would refuse the step), by name, once."""
+    ours = {id(o) for o in engine.optimizers}
+    if not ours or not stepped or any(id(o) in ours for o in stepped) or "foreign" in engine.warned:
+        return
+    engine.warned.add("foreign")
+    given = ", ".join(sorted({type(o).__name__ for o in engine.optimizers}))
+    warnings.warn(
+        f"{engine.name} stepped {type(stepped[0]).__name__}, but retry_on_oom was given another "
+        f"optimizer ({given}), which it did not step: once memory runs short, its micro-batches "
+        "would be refused. Pass the optimizer the step calls, retry_on_oom(optimizer=opt)",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def no_batch(engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any], found: Any,
+             error: Exception) -> AutobatchError:
+    """The first call's argument that autobatch would split is not a batch (``step(model,
+    batch)`` without ``batch_arg=``): the error, naming the argument that looks like one."""
+    try:
+        names = list(inspect.signature(engine.fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    where = engine.keyword or (
+        names[engine.index] if engine.index is not None and engine.index < len(names)
+        else f"position {engine.index}")
+    candidates = [*zip(names, args, strict=False), *kwargs.items()]
+    better = next((name for name, value in candidates if value is not found and _batch_like(value)),
+                  None)
+    if better is None:
+        return AutobatchError(
+            f"{engine.name}'s batch (argument {where!r}) is one autobatch cannot split into "
+            f"micro-batches when memory runs short: {error}. Batches split along dimension 0 "
+            "of their tensors and of per-sample lists (as long as the batch); if the batch is "
+            "another argument, pass retry_on_oom(batch_arg='its name')"
+        )
+    return AutobatchError(
+        f"{engine.name}'s argument {where!r} is {type(found).__name__}, not a batch: autobatch "
+        f"cannot split it into micro-batches when memory runs short ({error}). It splits the "
+        f"first positional argument unless told otherwise: pass "
+        f"retry_on_oom(batch_arg={better!r})"
+    )
+
+
+def _batch_like(value: Any) -> bool:
+    try:
+        return batch_size(value) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def refuse_bare_steps(engine: Any) -> None:

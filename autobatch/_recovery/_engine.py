@@ -17,6 +17,7 @@ from autobatch._batch import (
     batch_size,
     describe,
     elements_per_sample,
+    quick_rows,
     shape_key,
     tensors,
     uncollated,
@@ -29,6 +30,7 @@ from autobatch._recovery._arguments import (
     _batch_parameter,
     _modules_of,
     bare_steps,
+    no_batch,
     warn_tuples,
 )
 from autobatch._recovery._attempt import _ATTEMPT as _CURRENT_ATTEMPT
@@ -261,6 +263,7 @@ class _Engine:
         if attempt.light:  # (one that copied state, or failed, is not reused)
             self._spare = attempt
         self.calls += 1
+        self.tally.counts["samples"] += self._rows(args, kwargs)
         if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
             self._note_carried()
         if attempt.stepped and not self.optimizers:
@@ -268,6 +271,13 @@ class _Engine:
         if self.watch.step_done(self._watched()):
             self._thrashing(self._locate(args, kwargs))
         return result
+
+    def _rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """The rows of a call's batch, for the statistics (a look at its first tensor)."""
+        try:
+            return quick_rows(self._locate(args, kwargs))
+        except TypeError:
+            return 0
 
     def _note_carried(self) -> None:
         """A call without an optimizer step of its own left gradients: the next may add to them."""
@@ -383,6 +393,8 @@ class _Engine:
         try:
             total = batch_size(batch)
         except (TypeError, ValueError) as error:
+            if self.calls == 0:  # (said now, not hours later at the first OOM)
+                raise no_batch(self, args, kwargs, batch, error) from None
             return self._whole(args, kwargs, batch, str(error), failure)
         if total == 0:
             return self._whole(args, kwargs, batch, "it has no rows", failure)

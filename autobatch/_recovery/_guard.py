@@ -8,11 +8,9 @@ import types
 from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
-import torch
-
 from autobatch._batch import (
-    Batch,
     batch_size,
+    quick_rows,
     slice_batch,
 )
 from autobatch._errors import AutobatchError
@@ -21,20 +19,6 @@ from autobatch._recovery._engine import _OBSERVER, _Engine, _Observer
 from autobatch._recovery._records import RecoveryStats, SizeChange, _Tally
 
 T = TypeVar("T")
-
-
-def _rows(batch: Batch) -> int:
-    """Rows of a batch for statistics only: a fast look at the first tensor (on every batch of
-    the fast path), else batch_size."""
-    first = batch
-    while (type(first) is tuple or type(first) is list) and first:  # (not a namedtuple)
-        first = first[0]
-    if type(first) is torch.Tensor and first.ndim:
-        return first.shape[0]
-    try:
-        return batch_size(batch)
-    except (TypeError, ValueError):
-        return 0
 
 
 class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as guard`
@@ -110,7 +94,7 @@ class oom_guard(Generic[T]):  # used like a function: `with oom_guard(loader) as
             self._piece = None
             if engine is None or not engine.sizes.states or engine.policy != "shrink":
                 self._current = batch  # whole batches: the fast path
-                counts["samples"] += _rows(batch)  # (handed out: counted while it is fresh)
+                counts["samples"] += quick_rows(batch)  # (handed out: counted while it is fresh)
                 yield batch
                 self._index += 1  # (the batches handed out: see stats)
                 continue

@@ -26,6 +26,7 @@ from autobatch._recovery._arguments import (
     _count_items,
     bare_steps,
     describe_params,
+    foreign_steps,
     piece_too_small,
     refuse_bare_steps,
     slice_rows,
@@ -279,6 +280,7 @@ class _BatchRun:
                 self.stepped = True
             if whole is not None and whole.stepped:
                 bare_steps(engine, whole.stepped, in_piece=n < total)
+                foreign_steps(engine, whole.stepped)
             if early:
                 assert session is not None
                 ledger.check_piece(session.params, session.unfolded)

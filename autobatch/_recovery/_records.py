@@ -50,7 +50,7 @@ class RecoveryStats:
         grows: attempts to use a larger size (``grow_after``).
         failed_grows: grow attempts that ran out of memory and went back.
         batches: batches completed (calls of the step, or batches the guard handed out).
-        samples: samples in those batches (for a step alone: in the calls since its first OOM).
+        samples: samples in those batches (the rows of every call of a step).
         samples_recomputed: samples whose work was lost and redone (failed attempts, discarded
             pieces).
         micro_batch_size: the largest piece of the latest batch; ``None`` when it ran whole.
