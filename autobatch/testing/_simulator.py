@@ -109,6 +109,7 @@ class SimulatedGPU:
         used_elsewhere: int | str = 0,
     ) -> None:
         self._allocator: CachingAllocator | None = None  # (made below, from these two)
+        self._cuda_own: list[tuple[Any, str, Any]] = []  # torch.cuda's calls, while active
         self._capacity_bytes = parse_bytes(capacity)
         self._used_elsewhere = (
             parse_bytes(used_elsewhere, name="used_elsewhere") if used_elsewhere else 0
@@ -335,6 +336,7 @@ class SimulatedGPU:
             _active.append(self)
             _backends._overrides.append(self._memory_for)
             torch.UntypedStorage.resize_ = _resize_counted  # type: ignore[method-assign,assignment]
+            self._cuda_own = _answer_cuda_calls(self)
         self._mode.start()
         self._mode.__enter__()
         return self
@@ -345,6 +347,7 @@ class SimulatedGPU:
         with _active_lock:
             _active.remove(self)
             _backends._overrides.remove(self._memory_for)
+            _restore_cuda_calls(self._cuda_own)
             self._entered = False
             if not _active:  # torch's own method again
                 if _OWN_RESIZE is None:
@@ -541,6 +544,36 @@ class _AllocatorLedger(StorageLedger):
     def reset_peak(self) -> None:
         super().reset_peak()
         self.allocator.reset_peak()
+
+
+#: ``torch.cuda``'s memory calls, as the simulator answers them (for its device, any index)
+_CUDA_CALLS: dict[str, Callable[[SimulatedGPU], Callable[..., Any]]] = {
+    "empty_cache": lambda gpu: lambda: gpu.empty_cache(),
+    "memory_allocated": lambda gpu: lambda device=None: gpu.allocated_bytes,
+    "memory_reserved": lambda gpu: lambda device=None: gpu.reserved_bytes,
+    "max_memory_allocated": lambda gpu: lambda device=None: gpu.peak_bytes,
+    "max_memory_reserved": lambda gpu: lambda device=None: gpu.peak_reserved_bytes,
+    "reset_peak_memory_stats": lambda gpu: lambda device=None: gpu.reset_peak(),
+    "mem_get_info": lambda gpu: lambda device=None: (
+        max(gpu.capacity_bytes - gpu.used_elsewhere - gpu.reserved_bytes, 0), gpu.capacity_bytes),
+    "memory_stats": lambda gpu: lambda device=None: gpu.memory_stats(),
+}
+
+
+def _answer_cuda_calls(gpu: SimulatedGPU) -> list[tuple[Any, str, Any]]:
+    """While ``gpu`` is active, ``torch.cuda``'s memory calls (as a training loop or another
+    library makes them: ``torch.cuda.empty_cache()``) answer for it; what they were."""
+    own = []
+    for module in (torch.cuda, torch.cuda.memory):
+        for name, make in _CUDA_CALLS.items():
+            own.append((module, name, getattr(module, name)))
+            setattr(module, name, make(gpu))
+    return own
+
+
+def _restore_cuda_calls(own: list[tuple[Any, str, Any]]) -> None:
+    for module, name, function in own:
+        setattr(module, name, function)
 
 
 def allocator_config(environ: Mapping[str, str]) -> dict[str, Any]:
