@@ -95,3 +95,25 @@ def test_statistics_count_every_row_a_plain_loop_trains() -> None:
     assert step.stats.ooms >= 1
     assert step.stats.samples == rows
     assert guard.stats.samples == 32 + 32 + 20 + 32
+
+
+def test_inject_oom_fires_in_the_step_never_in_the_data_loader() -> None:
+    """``phase="forward"`` fired in the loader's collation; the guard then said the step was
+    not decorated. Now the OOM lands in the decorated step, which recovers."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        model(batch[0]).sum().backward()
+        opt.step()
+
+    loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
+    with inject_oom(phase="forward") as injected, oom_guard(loader) as guard:
+        for batch in guard:
+            step(batch)
+    assert injected.fired == 1
+    assert (guard.stats.ooms, guard.stats.samples) == (1, 32)

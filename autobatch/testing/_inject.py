@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -188,6 +191,8 @@ class inject_oom(DispatchMode):  # used like a function: `with inject_oom(...)`
             return False
         if self.batch_over is not None and (phase == "optimizer" or not large):
             return False
+        if _in_data_loading():
+            return False  # (a loader's collation is not the model's work)
         self._matched += 1
         return self.at_op is None or self._matched == self.at_op
 
@@ -198,3 +203,17 @@ class inject_oom(DispatchMode):  # used like a function: `with inject_oom(...)`
                 self._optimizer_depth -= 1  # the step is abandoned; its post-hook will not run
             raise OOM_KINDS[self.kind]()
         return call_keeping_versions(func, args, kwargs)
+
+
+_DATA = os.path.join("torch", "utils", "data") + os.sep
+
+
+def _in_data_loading() -> bool:
+    """Whether this operator runs inside ``torch.utils.data`` (a DataLoader's iterator or
+    collation), where a GPU does no model work."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if _DATA in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
