@@ -22,6 +22,7 @@ import contextlib
 import enum
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -184,12 +185,8 @@ def _module_settings(module: nn.Module, describe: _Describer) -> list[Any]:
         for name in _HOOK_DICTS
         if getattr(module, name, None)
     ]
-    forward = getattr(type(module), "forward", None)
-    code = getattr(forward, "__code__", None)
     own_code = (
-        _code_digest(code)
-        if isinstance(code, types.CodeType) and not type(module).__module__.startswith("torch.")
-        else None
+        None if type(module).__module__.startswith("torch.") else _methods_digest(type(module))
     )
     return [
         module.extra_repr(),
@@ -198,6 +195,76 @@ def _module_settings(module: nn.Module, describe: _Describer) -> list[Any]:
         getattr(module, "_compiled_call_impl", None) is not None,
         own_code,
     ]
+
+
+def _methods_digest(cls: type) -> str | None:
+    """A digest of ``forward``'s code and of the class's own methods it reaches by name
+    (``self._attend(x)``, and what those call): a helper changed changes the key."""
+    forward = getattr(cls, "forward", None)
+    if not isinstance(getattr(forward, "__code__", None), types.CodeType):
+        return None
+    digests: list[list[str]] = []
+    todo, seen = ["forward"], set[str]()
+    while todo and len(seen) < 64:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        method = inspect.getattr_static(cls, name, None)
+        method = getattr(method, "__func__", method)  # (static and class methods)
+        code = getattr(method, "__code__", None)
+        if not isinstance(code, types.CodeType) or getattr(method, "__module__", "").startswith(
+            "torch."
+        ):
+            continue
+        digests.append([name, _code_digest(code)])
+        todo += [n for n in code.co_names if n not in seen]
+    return hashlib.sha256(repr(sorted(digests)).encode()).hexdigest()[:16]
+
+
+def _callable_key(fn: Any) -> Any:
+    """A ``loss_fn``'s or ``step_fn``'s part of a key: its name, its code, and the values it
+    captured (closure cells, defaults, a partial's arguments), so that two steps made by one
+    factory with other settings (a sequence length, a scale) never share an entry."""
+    if fn is None:
+        return None
+    describe = _Describer()
+    target = getattr(fn, "__func__", fn)
+    captured: list[Any] = []
+    if isinstance(target, functools.partial):
+        captured += [describe(target.args), describe(target.keywords)]
+        target = target.func
+    code = getattr(target, "__code__", None)
+    if isinstance(code, types.CodeType):
+        cells = [c.cell_contents for c in (getattr(target, "__closure__", None) or ())
+                 if _filled(c)]
+        captured += [
+            _code_digest(code),
+            [_captured(v, describe) for v in cells],
+            describe(getattr(target, "__defaults__", None)),
+            describe(getattr(target, "__kwdefaults__", None)),
+        ]
+    elif not isinstance(target, type) and hasattr(target, "__dict__"):  # a callable object
+        captured.append(describe(vars(target)))
+    return [_qualname(fn), captured]
+
+
+def _captured(value: Any, describe: _Describer) -> Any:
+    """A value a function captured: a module by its architecture, an optimizer by its memory
+    options (neither by its values, which training changes), anything else as settings."""
+    if isinstance(value, nn.Module):
+        return _architecture(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return _optimizer(value)
+    return describe(value)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # (a cell not yet assigned)
+        return False
+    return True
 
 
 def _architecture(model: nn.Module) -> list[Any]:
@@ -486,8 +553,8 @@ def search_key(
             "multiple_of": multiple_of,
             "headroom": float(headroom),
             "steps_per_trial": steps_per_trial,
-            "loss_fn": _qualname(loss_fn),
-            "step_fn": _qualname(step_fn),
+            "loss_fn": _callable_key(loss_fn),
+            "step_fn": _callable_key(step_fn),
             "scaler": _qualname(None if scaler is None else type(scaler)),
         },
     )
@@ -543,12 +610,12 @@ def _cached(
         name = key()
     except UnstableKeyError as error:
         warnings.warn(
-            f"autobatch cache: the model cannot be fingerprinted reliably ({error}), so its "
-            "result is neither read from nor written to the cache; measuring",
+            f"autobatch cache: the model or its step cannot be fingerprinted reliably "
+            f"({error}), so its result is neither read from nor written to the cache; measuring",
             stacklevel=user_stacklevel(),
         )
         result = run()
-        note = f"not cached: the model cannot be fingerprinted reliably ({error})"
+        note = f"not cached: the model or its step cannot be fingerprinted reliably ({error})"
         return replace(result, notes=(*result.notes, note)), None
     file = store.file_for(name)
     stored = store.get(name)

@@ -429,6 +429,69 @@ def test_search_key_reads_the_device_and_the_options() -> None:
         assert key(memory_for("cpu")) != base
 
 
+def _step_factory(length: int, scale: float) -> Any:
+    def step(model: nn.Module, batch: torch.Tensor) -> None:
+        model(batch.repeat(1, length)).mul(scale).sum().backward()
+    return step
+
+
+def test_steps_and_losses_are_keyed_by_what_they_captured_not_by_their_name() -> None:
+    """Two steps from one factory shared an entry (cached 4,645 where 2,209 was right)."""
+    model, sample = _small()
+    options: dict[str, Any] = {
+        "min_batch": 1, "max_batch": None, "multiple_of": 1, "headroom": 0.05,
+        "steps_per_trial": 1, "scaler": None,
+    }
+
+    def key(loss_fn: Any = None, step_fn: Any = None) -> str:
+        return search_key(model, sample, torch.optim.SGD, memory_for("cpu"), train=True,
+                          loss_fn=loss_fn, step_fn=step_fn, **options)
+
+    def scaled(by: float) -> Any:
+        return lambda output, target: nn.functional.mse_loss(output * by, target)
+
+    with SimulatedGPU("2MiB"):
+        assert key(step_fn=_step_factory(4, 1.0)) == key(step_fn=_step_factory(4, 1.0))
+        assert key(step_fn=_step_factory(4, 1.0)) != key(step_fn=_step_factory(16, 1.0))
+        assert key(step_fn=_step_factory(4, 1.0)) != key(step_fn=_step_factory(4, 2.0))
+        assert key(loss_fn=scaled(1.0)) != key(loss_fn=scaled(2.0))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def trains(model_: nn.Module, batch: torch.Tensor) -> None:
+            opt.zero_grad()
+            model(batch).sum().backward()
+            opt.step()
+
+        before = key(step_fn=trains)
+        trains(model, sample)  # (values and optimizer state change; the memory does not)
+        assert key(step_fn=trains) == before
+
+
+def _with_helper(doubled: bool) -> nn.Module:
+    class Block(nn.Module):  # (the same name and forward both times; the helper differs)
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self._helper(x)
+
+        if doubled:
+            def _helper(self, x: torch.Tensor) -> torch.Tensor:
+                return self.linear(torch.cat([x, x], 1)[:, :8])
+        else:
+            def _helper(self, x: torch.Tensor) -> torch.Tensor:
+                return self.linear(x)
+
+    return Block()
+
+
+def test_a_helper_that_forward_calls_is_part_of_the_key() -> None:
+    """A helper changed without forward changing kept the key (cached 5,002, right 1,329)."""
+    assert _key(model=_with_helper(False)) == _key(model=_with_helper(False))
+    assert _key(model=_with_helper(False)) != _key(model=_with_helper(True))
+
+
 # --------------------------------------------------------------------------- module settings
 
 
