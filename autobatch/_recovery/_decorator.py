@@ -58,8 +58,8 @@ class RetryingStep(Generic[P, R]):
 
     @property
     def stats(self) -> RecoveryStats:
-        """OOMs, size changes and the current micro-batch size of this step (``samples`` counts
-        the calls that ran once memory had run short; the guard counts every sample)."""
+        """OOMs, size changes, the current micro-batch size, and the batches and samples of
+        every call of this step."""
         return self._engine.tally.snapshot(batches=self._engine.calls)
 
     def reset(self) -> None:

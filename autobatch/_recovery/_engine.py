@@ -263,7 +263,7 @@ class _Engine:
         if attempt.light:  # (one that copied state, or failed, is not reused)
             self._spare = attempt
         self.calls += 1
-        self.tally.counts["samples"] += self._rows(args, kwargs)
+        self.tally.rows += self._rows(args, kwargs)
         if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
             self._note_carried()
         if attempt.stepped and not self.optimizers:

@@ -76,6 +76,7 @@ class _Tally:
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()
+        self.rows = 0  # the rows of the calls on the fast path (a plain int: every step adds)
         self.micro_batch_size: int | None = None
         self.history: collections.deque[SizeChange] = collections.deque(maxlen=HISTORY)
 
@@ -90,4 +91,5 @@ class _Tally:
 
     def snapshot(self, **override: Any) -> RecoveryStats:
         fields = {"micro_batch_size": self.micro_batch_size, "history": tuple(self.history)}
-        return RecoveryStats(**{**self.counts, **fields, **override})
+        counts = {**self.counts, "samples": self.counts["samples"] + self.rows}
+        return RecoveryStats(**{**counts, **fields, **override})
