@@ -5,6 +5,7 @@ split), alone, under ``retry_on_oom`` and under ``SimulatedGPU``."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -282,6 +283,31 @@ def test_oom_guard_runs_a_cached_embedding_step_in_chunks_exactly() -> None:
             step(batch)
     assert guard.stats.ooms >= 1
     assert guard.stats.samples == 3 * 128
+    _close(_params(model), _params(reference))
+
+
+def test_a_grad_scaler_scales_the_loss_over_all_embeddings_exactly() -> None:
+    reference, model = _Clip(), _Clip()
+
+    def run(m: _Clip, guarded: bool) -> Any:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+        def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            opt.zero_grad()
+            loss = embed_in_pieces(m.encode, lambda e: scaler.scale(m.loss(e)), batch)
+            scaler.step(opt)
+            scaler.update()
+            return loss
+
+        run_step = retry_on_oom(optimizer=opt)(step) if guarded else step
+        for call in range(3):
+            with inject_oom(batch_over=6) if guarded else contextlib.nullcontext():
+                run_step(_pairs(12, call))
+        return run_step
+
+    run(reference, False)
+    assert run(model, True).stats.ooms == 3
     _close(_params(model), _params(reference))
 
 

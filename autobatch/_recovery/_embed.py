@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autobatch import _distributed
 from autobatch._accounting import DispatchMode, op_facts, written_tensors
 from autobatch._backends import restore_rng_states, save_rng_states
 from autobatch._batch import Batch, batch_size, concat_batches, map_tensors, slice_batch, tensors
@@ -137,6 +138,13 @@ def embed_in_pieces(
         value.backward()
         return value.detach()
     name = getattr(encode, "__qualname__", type(encode).__name__)
+    if _distributed.active():
+        raise AutobatchError(
+            f"embed_in_pieces would encode {name}'s batch in chunks under a process group: "
+            "each chunk's backward would reduce its gradients across the ranks on its own "
+            "(DistributedDataParallel's reducer runs once per backward), which it cannot keep "
+            "exact yet. Use a batch that fits whole on each rank"
+        )
     parts = [slice_batch(batch, i, min(i + rows, n)) for i in range(0, n, rows)]
     states, cached = [], []
     with torch.no_grad(), _Forward(name):  # 1. the embeddings, without a graph
