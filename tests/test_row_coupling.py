@@ -127,6 +127,75 @@ def test_the_token_mean_is_exact_with_items() -> None:
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def _tokens(n: int, padded_from: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of 6 features and 5 token labels; rows from ``padded_from`` on have 2 labels
+    ignored (-100)."""
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(n, 6, generator=g), torch.randint(0, 4, (n, 5), generator=g)
+    if padded_from is not None:
+        y[padded_from:, 3:] = -100
+    return x, y
+
+
+def _token_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model(out=20)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _token_loss(kind: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
+    x, y = batch
+    logits = model(x).view(len(x), 5, 4).flatten(0, 1)
+    if kind == "ignore_index":
+        return F.cross_entropy(logits, y.flatten())
+    if kind == "label smoothing":
+        return F.cross_entropy(logits, y.flatten(), label_smoothing=0.1)
+    mask = (y.flatten() != -100).to(x.dtype)
+    return (F.cross_entropy(logits, y.flatten().clamp(min=0), reduction="none") * mask).sum() / (
+        mask.sum().clamp(min=1))
+
+
+@pytest.mark.parametrize("kind", ["ignore_index", "label smoothing", "masked"])
+def test_a_mean_by_a_count_the_same_for_every_row_is_exact(kind: str) -> None:
+    """Every row counts as many labels (none ignored, or the same number ignored in each):
+    the mean is by the row count, so the split is exact and nothing is refused."""
+    for padded_from in (None, 0):
+        batch = _tokens(8, padded_from)
+        reference, ref_opt = _token_model()
+        model, opt = _token_model()
+        for m, o, guarded in ((reference, ref_opt, False), (model, opt, True)):
+            def step(b: Any, m: nn.Module = m, o: torch.optim.Optimizer = o) -> None:
+                o.zero_grad()
+                _token_loss(kind, m, b).backward()
+                o.step()
+
+            if guarded:
+                with inject_oom(batch_over=4):
+                    retry_on_oom(optimizer=o)(step)(batch)
+            else:
+                step(batch)
+        _close(_params(model), _params(reference))
+
+
+@pytest.mark.parametrize("kind", ["ignore_index", "label smoothing", "masked"])
+def test_a_count_even_in_the_first_micro_batch_but_not_the_last_is_refused(kind: str) -> None:
+    """The first micro-batch's rows all count 5 labels, the last one's 3: judged on the first
+    alone the split would be silently wrong; the last micro-batch is followed too, and the
+    step is refused there, before the optimizer steps."""
+    batch = _tokens(8, padded_from=4)
+    model, opt = _token_model()
+    before = _params(model)
+
+    @retry_on_oom(optimizer=opt)
+    def step(b: Any) -> None:
+        opt.zero_grad()
+        _token_loss(kind, model, b).backward()
+        opt.step()
+
+    with inject_oom(batch_over=4), pytest.raises(AutobatchError, match="items="):
+        step(batch)
+    _close(_params(model), before)
+
+
 # The cached-embedding split -------------------------------------------------------------------
 
 

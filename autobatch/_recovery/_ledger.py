@@ -192,7 +192,10 @@ class _Mode(DispatchMode):
             elif facts.fresh:
                 ledger.allocated = True
         if not ledger.records:
-            return _call(facts, func, args, kwargs)
+            out = _call(facts, func, args, kwargs)
+            if ledger.rows is not None and torch._C._current_autograd_node() is None:
+                ledger.rows.see(func, args, kwargs, out)  # (a later piece's rows, followed)
+            return out
         if facts.writes:
             written = written_tensors(facts, args, kwargs)
             if ledger.sums and ledger.early and ledger.drops(written, facts.name):
@@ -421,7 +424,7 @@ class Ledger:
         self.split = split
         self.records = records
         self.gate = gate
-        self.rows = rows if records else None
+        self.rows = rows
         self.allocated = True
         self.stepping = self.stepped = self.wrote_in_step = False
         self.step_versions = []
@@ -450,7 +453,7 @@ class Ledger:
             with (
                 backward_handler(functools.partial(_discovering, ledger=self))
                 if records and not split else nullcontext()  # (a session finds them itself)
-            ), _Mode(self) if records or gate is not None else nullcontext():
+            ), _Mode(self) if records or gate is not None or rows is not None else nullcontext():
                 yield
         finally:
             _unwatch(self)

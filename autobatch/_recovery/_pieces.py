@@ -130,6 +130,11 @@ class _BatchRun:
         self.items: float | None = None  # the batch's items, where the loss averages them
         self.session: _Accumulation | None = None
         self.whole: _Attempt | None = None  # the attempt of a piece that runs whole
+        self.rows: RowWatch | None = None  # the rows of the piece that runs, followed
+        #: an early piece's loss divided by a count of the batch's content that it found the
+        #: same for every row: every later piece (the last too) is followed to check its own
+        self.counted = False
+        self.counts: set[float] | None = None  # what a row counted there, in the first
 
     def run(self, failure: _Failure | None, attempt: _Attempt | None) -> Any:
         """All the pieces (``failure``: the whole batch ran out of memory on the fast path,
@@ -186,9 +191,13 @@ class _BatchRun:
         """One watched attempt: the ledger's, kept in step with the other ranks. An early
         piece's rows are followed through its forward (:mod:`._rows`)."""
         engine, coord, session = self.engine, self.coord, self.session
+        counted = self.counted and session is not None  # (the later pieces' counts, checked)
         records = early or self.learning
         rows = RowWatch(tensors(piece), n, items=engine.options.items is not None) if (
-            early) else None
+            early or counted) else None
+        if rows is not None:
+            rows.expected = self.counts
+        self.rows = rows
         known = engine.known
         shadow = [] if records else [
             *known.changing, *(tensors(piece) if known.writes_batch else ())
@@ -284,6 +293,10 @@ class _BatchRun:
             if early:
                 assert session is not None
                 ledger.check_piece(session.params, session.unfolded)
+            if self.rows is not None and self.rows.even_used:
+                self.counted = True
+                if self.counts is None:
+                    self.counts = set(self.rows.counts)
             if watched:
                 engine.known.learn(ledger.first_attempt_written())
                 engine.known.add_params(ledger.adopted)

@@ -42,6 +42,9 @@ class Tag:
     #: which of the batch's rows each index of ``dim`` holds, where an index reordered or
     #: selected them (``None``: the batch's own order)
     order: torch.Tensor | None = None
+    #: an aggregate that counts the same for every row (``mask.sum()`` with no row masked
+    #: more than another): how much each row counts (dividing by it is a mean by rows)
+    even: float | None = None
 
 
 class Watch(Protocol):
@@ -50,6 +53,8 @@ class Watch(Protocol):
     tags: WeakIdKeyDictionary
     values: set[float]
     rows: int
+    even_used: bool  # a count that depends on the batch's content was found even per row
+    counts: list[float]  # what each row counted there
 
     @property
     def items(self) -> bool: ...
@@ -112,7 +117,7 @@ class Op:
 
     def put(self, t: torch.Tensor, dim: int, taint: Taint | None = None,
             segments: tuple[int, ...] | None = None, inner: int | None = None,
-            order: torch.Tensor | bool | None = True) -> None:
+            order: torch.Tensor | bool | None = True, even: float | None = None) -> None:
         """Tag ``t``; ``inner`` and ``order`` by default those of the first input with rows
         (a dimension carried over whole; ``order=None``: the batch's own order)."""
         taint = taint or self.inherited
@@ -127,13 +132,13 @@ class Op:
         if order is True:
             order = rows[0][1].order if rows and dim >= 0 else None
         kept = order if isinstance(order, torch.Tensor) else None
-        self.watch.tags[t] = Tag(dim, taint, segments, inner, kept)
+        self.watch.tags[t] = Tag(dim, taint, segments, inner, kept, even if dim == AGG else None)
 
     def put_all(self, dim: int, taint: Taint | None = None,
                 segments: tuple[int, ...] | None = None, inner: int | None = None,
-                order: torch.Tensor | bool | None = True) -> None:
+                order: torch.Tensor | bool | None = True, even: float | None = None) -> None:
         for t in self.outputs():
-            self.put(t, dim, taint, segments, inner, order)
+            self.put(t, dim, taint, segments, inner, order, even)
 
     def orders_agree(self) -> bool:
         """Whether every input with rows holds them in one order (else a row meets another)."""
@@ -251,23 +256,36 @@ def pointwise(op: Op) -> None:
 
 
 def _aggregate(op: Op) -> None:
-    """An elementwise operator on aggregates (and tensors without rows)."""
+    """An elementwise operator on aggregates (and tensors without rows). A division by a
+    count that every row adds to alike (``mask.sum()``, no row masked more than another) is
+    a mean by the row count; any other count of the batch's content needs ``items=``."""
     aggregates = [t for t, tag in op.tagged if tag.dim == AGG]
     watch = op.watch
     if not aggregates:
         op.put_all(FREE)
         return
+    evens = {tag.even for _, tag in op.tagged if tag.dim == AGG}
+    even = evens.pop() if len(evens) == 1 and len(op.tagged) == 1 else None
     if op.name not in LINEAR:
-        if op.name in _GUARDS and watch.items:
-            op.put_all(AGG)  # (the declared count, guarded)
+        if op.name in _GUARDS and (watch.items or even is not None):
+            op.put_all(AGG, even=even)  # (a count, guarded: declared, or even per row)
             return
         op.put_all(FREE, op.taint(f"{op.label} of a sum or mean over the batch's rows",
                                   "count" if op.name in _GUARDS else "mixes"))
         return
+    divisor = op.args[1] if len(op.args) > 1 and op.name != "mul" else None
     if op.name in _PRODUCTS and (len(aggregates) > 1 or (
-        op.name != "mul" and op.args and op.args[0] is not aggregates[0]
+        divisor is not None and op.args[0] is not aggregates[0]
     )):
         kind = "count" if op.name != "mul" else "mixes"
+        divided = op.tag_of(divisor)
+        if kind == "count" and not watch.items and divided is not None and (
+            divided.even is not None and op.tag_of(op.args[0]) is not None
+        ):
+            watch.even_used = True  # (a mean by the row count here: checked again after)
+            watch.counts.append(divided.even)
+            op.put_all(AGG)
+            return
         if kind == "count" and watch.items:
             op.put_all(AGG)
             return
@@ -275,7 +293,7 @@ def _aggregate(op: Op) -> None:
             "a division by a count or sum computed from the batch" if kind == "count"
             else "a product of two sums over the batch's rows", kind))
         return
-    op.put_all(AGG)
+    op.put_all(AGG, even=even if op.name not in _PRODUCTS else None)
 
 
 def reduction(linear: bool) -> Rule:
@@ -300,7 +318,7 @@ def reduction(linear: bool) -> Rule:
             reduced = {norm(d, rank) for d in dim}
         if tag.dim in reduced:
             if linear:
-                op.put_all(AGG)
+                op.put_all(AGG, even=None if t.requires_grad else _even_rows(t, tag, op.watch.rows))
             else:
                 op.put_all(FREE, op.taint(f"a {op.label} over the batch's rows"))
             return
@@ -485,7 +503,12 @@ def nll(op: Op) -> None:
     outs = op.outputs()
     if reduced == 0:
         op.put(outs[0], 0)
-    elif reduced == 2 or op.watch.items or _even(target, op.arg("weight"), op.arg("ignore_index", -100), op.watch.rows):
+    elif reduced == 2 or op.watch.items:
+        op.put(outs[0], AGG)
+    elif (count := _even(target, op.arg("weight"), op.arg("ignore_index", -100),
+                         op.watch.rows)) is not None:
+        op.watch.even_used = True  # (the count is the batch's content: every piece checked)
+        op.watch.counts.append(count)
         op.put(outs[0], AGG)
     else:
         op.put(outs[0], FREE, op.taint(
@@ -493,18 +516,33 @@ def nll(op: Op) -> None:
             "count differs from row to row", "count"))
 
 
-def _even(target: torch.Tensor, weight: torch.Tensor | None, ignore: int, rows: int) -> bool:
-    """Whether every row of the batch holds the same count of targets (weighted by class)."""
+def _even_rows(t: torch.Tensor, tag: Tag, rows: int) -> float | None:
+    """What every row adds to a sum of ``t`` (a mask or a count, no gradient), where each
+    adds the same; else ``None``."""
+    size = t.shape[tag.dim]
+    if t.numel() == 0 or t.is_complex() or size % (rows * tag.inner):
+        return None
+    outer = size // (rows * tag.inner)  # (rows merged inside other dimensions: [T * B])
+    with engine_work(), torch.no_grad():
+        blocks = t.movedim(tag.dim, 0).reshape(outer, rows, tag.inner, -1).double()
+        per_row = blocks.sum((0, 2, 3))
+        return float(per_row[0]) if bool((per_row == per_row[0]).all()) else None
+
+
+def _even(target: torch.Tensor, weight: torch.Tensor | None, ignore: int,
+          rows: int) -> float | None:
+    """What every row of the batch counts of its targets (weighted by class), where each
+    counts the same; else ``None``."""
     if target.numel() == 0:
-        return True
+        return 0.0
     if target.numel() % rows:
-        return False
+        return None
     with engine_work(), torch.no_grad():
         counted = (target != ignore).double()
         if weight is not None:
             counted = counted * weight[target.clamp(0, weight.numel() - 1)].double()
         per_row = counted.reshape(rows, -1).sum(1)
-        return bool((per_row == per_row[0]).all())
+        return float(per_row[0]) if bool((per_row == per_row[0]).all()) else None
 
 
 def reduced_loss(op: Op) -> None:

@@ -116,6 +116,11 @@ class RowWatch:
         self._items = items  # a data-dependent count was declared (items=)
         self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.values: set[float] = set()  # .item() of tensors made from the batch
+        #: a mean by a count of the batch's content was judged exact (each row counts the
+        #: same here): the batch's later micro-batches are followed too, to check theirs
+        self.even_used = False
+        self.counts: list[float] = []  # what each row counted in each such mean
+        self.expected: set[float] | None = None  # what an earlier piece's rows counted
         for t in batch:
             if t.dim() > 0 and t.shape[0] == rows:
                 self.tags[t] = Tag(0)
@@ -142,7 +147,17 @@ class RowWatch:
             rule_for(func)(op)
 
     def check(self, roots: Iterable[torch.Tensor], step: str) -> None:
-        """``backward()`` of a micro-batch: refuse a loss whose rows were mixed."""
+        """``backward()`` of a micro-batch: refuse a loss whose rows were mixed, or averaged
+        by a count whose rows count otherwise than an earlier micro-batch's did."""
+        if self.expected is not None and any(c not in self.expected for c in self.counts):
+            raise refusal(
+                step, "averaged its loss over a count of the batch's content (targets not "
+                f"ignored, a mask's sum) that each row counts {self.counts[0]:g} times in "
+                f"this micro-batch and {min(self.expected):g} in the first",
+                "the mean it divides by", "the loss then depends on how the batch is cut: "
+                "the micro-batches' means, weighted by rows, are not the batch's mean",
+                _FIXES["count"],
+            )
         for root in roots:
             tag = self.tags.get(root)  # type: ignore[no-untyped-call]
             if tag is not None and tag.taint is not None:
