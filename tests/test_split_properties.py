@@ -305,7 +305,7 @@ def _batch(p: Parts, seed: int, stepping: bool = True) -> tuple[torch.Tensor, to
     g = torch.Generator().manual_seed(seed + 100 * (not stepping))
     x = torch.randn(12, 4, generator=g)
     y = torch.randint(0, 3, (12,), generator=g)
-    if p.items:
+    if p.items or p.coupled == "count":  # (labelled rows, some not: a count of content)
         y[torch.rand(12, generator=g) < 0.3] = -100
     return x, y, stepping
 
