@@ -176,6 +176,28 @@ def test_a_mean_by_a_count_the_same_for_every_row_is_exact(kind: str) -> None:
         _close(_params(model), _params(reference))
 
 
+def test_labels_masked_inside_the_step_are_followed_to_the_last_micro_batch() -> None:
+    """The batch holds no -100; the step masks its labels from a mask the batch holds, the
+    first micro-batch's rows all unmasked, the last one's half masked: refused, not split."""
+    x, y = _tokens(8, None)
+    keep = torch.ones(8, 5, dtype=torch.bool)
+    keep[4:, 3:] = False
+    model, opt = _token_model()
+    before = _params(model)
+
+    @retry_on_oom(optimizer=opt)
+    def step(b: Any) -> None:
+        opt.zero_grad()
+        x, y, keep = b
+        labels = y.masked_fill(~keep, -100)
+        _token_loss("ignore_index", model, (x, labels)).backward()
+        opt.step()
+
+    with inject_oom(batch_over=4), pytest.raises(AutobatchError, match="items="):
+        step((x, y, keep))
+    _close(_params(model), before)
+
+
 @pytest.mark.parametrize("kind", ["ignore_index", "label smoothing", "masked"])
 def test_a_count_even_in_the_first_micro_batch_but_not_the_last_is_refused(kind: str) -> None:
     """The first micro-batch's rows all count 5 labels, the last one's 3: judged on the first

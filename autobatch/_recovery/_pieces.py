@@ -35,6 +35,7 @@ from autobatch._recovery._arguments import (
 )
 from autobatch._recovery._attempt import _Attempt, _Failure, _Known, kept_by
 from autobatch._recovery._embed import chunked
+from autobatch._recovery._inspect import engine_work
 from autobatch._recovery._ledger import Ledger
 from autobatch._recovery._options import Policy, RecoveryOptions
 from autobatch._recovery._ranks import (
@@ -176,6 +177,20 @@ class _BatchRun:
         )
         return _combine(self.pieces)
 
+    def _may_vary(self, rows: RowWatch) -> bool:
+        """Whether the count a micro-batch's mean divides by may differ from row to row in
+        the batch's other micro-batches: a mask's sum may; a cross-entropy's may only where
+        the batch holds its ``ignore_index`` somewhere (labels padded with -100), so that a
+        batch of class labels is not followed piece by piece for nothing."""
+        if rows.masked:
+            return True
+        with engine_work(), torch.no_grad():
+            return any(
+                bool((t == value).any())
+                for t in tensors(self.batch) if not (t.is_floating_point() or t.is_complex())
+                for value in rows.ignored
+            )
+
     def _weight(self, piece: Batch, n: int) -> float:
         """A piece's share of the batch's loss: of its rows, or of its items (``items=``)."""
         options = self.engine.options
@@ -293,7 +308,7 @@ class _BatchRun:
             if early:
                 assert session is not None
                 ledger.check_piece(session.params, session.unfolded)
-            if self.rows is not None and self.rows.even_used:
+            if self.rows is not None and self.rows.even_used and self._may_vary(self.rows):
                 self.counted = True
                 if self.counts is None:
                     self.counts = set(self.rows.counts)

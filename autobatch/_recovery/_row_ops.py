@@ -55,6 +55,9 @@ class Watch(Protocol):
     rows: int
     even_used: bool  # a count that depends on the batch's content was found even per row
     counts: list[float]  # what each row counted there
+    ignored: set[int]  # the ignore_index of each cross-entropy whose count that was
+    masked: bool  # a count other than a cross-entropy's (a mask's sum): always checked
+    storages: set[int]  # the storages of the micro-batch's own tensors
 
     @property
     def items(self) -> bool: ...
@@ -282,7 +285,7 @@ def _aggregate(op: Op) -> None:
         if kind == "count" and not watch.items and divided is not None and (
             divided.even is not None and op.tag_of(op.args[0]) is not None
         ):
-            watch.even_used = True  # (a mean by the row count here: checked again after)
+            watch.even_used = watch.masked = True  # (a mean by rows here: checked again)
             watch.counts.append(divided.even)
             op.put_all(AGG)
             return
@@ -509,11 +512,23 @@ def nll(op: Op) -> None:
                          op.watch.rows)) is not None:
         op.watch.even_used = True  # (the count is the batch's content: every piece checked)
         op.watch.counts.append(count)
+        if op.arg("weight") is None and _batch_own(target, op.watch.storages):
+            op.watch.ignored.add(int(op.arg("ignore_index", -100)))
+        else:  # (class weights, or targets the step made: labels masked from a mask, say)
+            op.watch.masked = True
         op.put(outs[0], AGG)
     else:
         op.put(outs[0], FREE, op.taint(
             "a mean over the targets it does not ignore (ignore_index or class weights), whose "
             "count differs from row to row", "count"))
+
+
+def _batch_own(t: torch.Tensor, storages: set[int]) -> bool:
+    """Whether ``t`` is one of the micro-batch's own tensors, or a view of one."""
+    try:
+        return t.untyped_storage().data_ptr() in storages
+    except RuntimeError:  # (a tensor without storage)
+        return False
 
 
 def _even_rows(t: torch.Tensor, tag: Tag, rows: int) -> float | None:

@@ -120,10 +120,15 @@ class RowWatch:
         #: same here): the batch's later micro-batches are followed too, to check theirs
         self.even_used = False
         self.counts: list[float] = []  # what each row counted in each such mean
+        self.ignored: set[int] = set()  # the ignore_index of each cross-entropy among them
+        self.masked = False  # one of them a count other than a cross-entropy's on the batch's
+        self.storages: set[int] = set()  # the micro-batch's own tensors' storages
         self.expected: set[float] | None = None  # what an earlier piece's rows counted
         for t in batch:
             if t.dim() > 0 and t.shape[0] == rows:
                 self.tags[t] = Tag(0)
+                if t.layout is torch.strided:
+                    self.storages.add(t.untyped_storage().data_ptr())
 
     @property
     def items(self) -> bool:
@@ -139,6 +144,12 @@ class RowWatch:
         if not tagged:
             return
         op = Op(self, func, args, kwargs, out, tagged)
+        if func in _COPIES and isinstance(out, torch.Tensor) and out.layout is torch.strided:
+            source = args[0]  # (the batch moved to the device, or copied: still the batch's)
+            if source.layout is torch.strided and (
+                source.untyped_storage().data_ptr() in self.storages
+            ):
+                self.storages.add(out.untyped_storage().data_ptr())
         if within_packed(op):
             return
         if any(tag.dim == ONE for _, tag in op.tagged):
@@ -217,6 +228,7 @@ _BY_NAME: dict[str, Rule] = {
 
 
 _RULES: dict[Any, Rule] = {}
+_COPIES = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.clone.default})
 
 
 def rule_for(func: Any) -> Rule:
