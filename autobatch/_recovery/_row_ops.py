@@ -425,7 +425,7 @@ def pairwise(op: Op) -> None:
         op.put_all(FREE, op.taint("distances over the batch's rows"))
 
 
-def pdist(op: Op) -> None:
+def pdist(op: Op) -> None:  # (distances within one set of rows)
     op.put_all(FREE, op.taint("distances between the batch's rows", "pairs"))
 
 
@@ -524,11 +524,8 @@ def nll(op: Op) -> None:
 
 
 def _batch_own(t: torch.Tensor, storages: set[int]) -> bool:
-    """Whether ``t`` is one of the micro-batch's own tensors, or a view of one."""
-    try:
-        return t.untyped_storage().data_ptr() in storages
-    except RuntimeError:  # (a tensor without storage)
-        return False
+    """Whether ``t`` is one of the micro-batch's own tensors, or a view or copy of one."""
+    return t.layout is torch.strided and t.untyped_storage().data_ptr() in storages
 
 
 def _even_rows(t: torch.Tensor, tag: Tag, rows: int) -> float | None:
@@ -588,15 +585,6 @@ def item(op: Op) -> None:
         op.out, bool
     ):
         op.watch.values.add(float(op.out))
-
-
-def ctc(op: Op) -> None:
-    tag = op.tag_of(op.args[0])
-    outs = op.outputs()
-    if tag is not None and tag.dim == 1 and outs:
-        op.put(outs[0], 0, inner=1)
-    else:
-        fallback(op)
 
 
 def fallback(op: Op) -> None:

@@ -8,7 +8,17 @@ from typing import Any
 import torch
 
 from autobatch._recovery._inspect import engine_work
-from autobatch._recovery._row_ops import AGG, FREE, ONE, Op, Tag, ids, keep_segments, norm
+from autobatch._recovery._row_ops import (
+    AGG,
+    FREE,
+    ONE,
+    Op,
+    Tag,
+    fallback,
+    ids,
+    keep_segments,
+    norm,
+)
 
 
 def view(op: Op) -> None:
@@ -266,3 +276,13 @@ def scatter_like(op: Op) -> None:
         return
     op.put_all(AGG if adds else FREE, None if adds else op.taint(
         "the batch's rows written into a table by index", "pairs"))
+
+
+def ctc(op: Op) -> None:
+    """CTC's log-probabilities (time, rows, classes): a loss per row."""
+    tag = op.tag_of(op.args[0])
+    outs = op.outputs()
+    if tag is not None and tag.dim == 1 and outs:
+        op.put(outs[0], 0, inner=1)
+    else:
+        fallback(op)

@@ -42,7 +42,6 @@ from autobatch._recovery._row_ops import (
     Tag,
     along,
     attention,
-    ctc,
     embedding,
     fallback,
     first_input_at,
@@ -63,6 +62,7 @@ from autobatch._recovery._row_ops import (
 )
 from autobatch._recovery._row_shapes import (
     cat,
+    ctc,
     gather_like,
     index,
     moved,
