@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -159,20 +160,9 @@ def test_a_mean_by_a_count_the_same_for_every_row_is_exact(kind: str) -> None:
     """Every row counts as many labels (none ignored, or the same number ignored in each):
     the mean is by the row count, so the split is exact and nothing is refused."""
     for padded_from in (None, 0):
-        batch = _tokens(8, padded_from)
-        reference, ref_opt = _token_model()
-        model, opt = _token_model()
-        for m, o, guarded in ((reference, ref_opt, False), (model, opt, True)):
-            def step(b: Any, m: nn.Module = m, o: torch.optim.Optimizer = o) -> None:
-                o.zero_grad()
-                _token_loss(kind, m, b).backward()
-                o.step()
-
-            if guarded:
-                with inject_oom(batch_over=4):
-                    retry_on_oom(optimizer=o)(step)(batch)
-            else:
-                step(batch)
+        (reference, _), (model, _) = _token_model(), _token_model()
+        _step_both(functools.partial(_token_loss, kind), reference, model,
+                   _tokens(8, padded_from), batch_over=4)
         _close(_params(model), _params(reference))
 
 
@@ -273,6 +263,31 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12)
+
+
+def _step_both(loss: Callable[[nn.Module, Any], torch.Tensor], reference: nn.Module,
+               model: nn.Module, batch: Any, *, batch_over: int, seed: int | None = None,
+               **options: Any) -> Any:
+    """One SGD step of ``loss`` on ``batch``: plain on ``reference``, and on ``model`` under
+    ``retry_on_oom(**options)`` with an OOM above ``batch_over`` rows; the guarded step."""
+    guarded = None
+    for m in (reference, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step(b: Any, m: nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
+            if seed is not None:
+                torch.manual_seed(seed)
+            opt.zero_grad()
+            loss(m, b).backward()
+            opt.step()
+
+        if m is reference:
+            step(batch)
+            continue
+        guarded = retry_on_oom(optimizer=opt, **options)(step)
+        with inject_oom(batch_over=batch_over):
+            guarded(batch)
+    return guarded
 
 
 @pytest.mark.parametrize("pieces", [2, 3, 7])
@@ -534,20 +549,9 @@ def test_rows_reordered_selected_or_looped_over_are_not_refused(kind: str) -> No
     torch.manual_seed(0)
     reference = _Packed()
     model = copy.deepcopy(reference)
-    for m, guarded in ((reference, False), (model, True)):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-
-        def step(b: Any, m: nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
-            torch.manual_seed(7)  # (the same shuffle, whole or split: per micro-batch, rows)
-            opt.zero_grad()
-            _rows_moved(kind, m, b).backward()
-            opt.step()
-
-        if guarded:
-            with inject_oom(batch_over=4):
-                retry_on_oom(optimizer=opt)(step)(batch)
-        else:
-            step(batch)
+    # (seed: the same shuffle whole or split; per micro-batch it shuffles other rows)
+    _step_both(functools.partial(_rows_moved, kind), reference, model, batch, batch_over=4,
+               seed=7)
     if kind != "shuffled together":  # (a shuffle per micro-batch: other rows, same math)
         _close(_params(model), _params(reference))
 
@@ -628,24 +632,10 @@ def test_per_row_models_are_never_refused_and_split_exactly(
     torch.manual_seed(0)
     reference = _RowModel(blocks)
     model = copy.deepcopy(reference)
-    results = []
-    for m, guarded in ((reference, False), (model, True)):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-
-        def step(b: Any, m: nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
-            opt.zero_grad()
-            _end(end, m(b[0]), b[1], b[2]).backward()
-            opt.step()
-
-        if guarded:
-            guarded_step = retry_on_oom(optimizer=opt, reduction="sum" if end == "sum" else "mean")(step)
-            with inject_oom(batch_over=max(n // 3, 1)):
-                guarded_step(batch)
-            assert guarded_step.stats.ooms >= 1
-        else:
-            step(batch)
-        results.append(_params(m))
-    _close(results[1], results[0])
+    guarded = _step_both(lambda m, b: _end(end, m(b[0]), b[1], b[2]), reference, model, batch,
+                         batch_over=max(n // 3, 1), reduction="sum" if end == "sum" else "mean")
+    assert guarded.stats.ooms >= 1
+    _close(_params(model), _params(reference))
 
 
 _MIXING: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {

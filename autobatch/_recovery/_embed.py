@@ -44,13 +44,7 @@ from autobatch._batch import Batch, batch_size, concat_batches, map_tensors, sli
 from autobatch._errors import AutobatchError
 from autobatch._recovery import _attempt, _ledger
 from autobatch._recovery._inspect import _forward_module, _key, user_frame
-from autobatch._recovery._row_ops import positions
-
-_BATCH_NORMS = frozenset({
-    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-    "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_with_update",
-    "_batch_norm_with_update_functional",
-})
+from autobatch._recovery._row_ops import BATCH_NORMS, positions
 
 
 class _Chunking(threading.local):
@@ -205,7 +199,7 @@ class _Forward(DispatchMode):
         facts = op_facts(func)
         op = func.overloadpacket.__name__
         training = positions(func).get("training")
-        if op in _BATCH_NORMS and (training is None or args[training]):
+        if op in BATCH_NORMS and (training is None or args[training]):
             raise self._batch_norm()
         for t in written_tensors(facts, args, kwargs) if facts.writes else ():
             if _key(t) not in self.fresh:

@@ -208,6 +208,14 @@ def keep_segments(tag: Tag, src: torch.Tensor, out: torch.Tensor, dim: int) -> t
 
 Rule = Callable[[Op], None]
 
+#: torch's batch normalisations (their ``training`` flag, where they take one, says whether
+#: they normalise by the batch's statistics)
+BATCH_NORMS = frozenset({
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_with_update",
+    "_batch_norm_with_update_functional", "batch_norm",
+})
+
 #: operators that are linear in a tensor argument (an aggregate stays one through them)
 LINEAR = frozenset({
     "add", "sub", "rsub", "neg", "mul", "div", "true_divide", "clone", "_to_copy", "detach",

@@ -35,6 +35,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autobatch._recovery._row_ops import (
+    BATCH_NORMS,
     LINEAR,
     ONE,
     Op,
@@ -209,10 +210,7 @@ _BY_NAME: dict[str, Rule] = {
     "addmm": matmul(1, 2, False, 0), "baddbmm": matmul(1, 2, True, 0),
     "_cdist_forward": pairwise, "_euclidean_dist": pairwise, "cdist": pairwise,
     "_pdist_forward": pdist, "pdist": pdist,
-    **{n: first_input_at(0, 1, what="a batch normalisation") for n in (
-        "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-        "cudnn_batch_norm", "miopen_batch_norm", "_batch_norm_with_update",
-        "_batch_norm_with_update_functional", "batch_norm")},
+    **dict.fromkeys(BATCH_NORMS, first_input_at(0, 1, what="a batch normalisation")),
     "native_group_norm": first_input_at(0, what="a group normalisation"),
     "native_layer_norm": layer_norm, "_fused_rms_norm": layer_norm, "rms_norm": layer_norm,
     "nll_loss_forward": nll, "nll_loss2d_forward": nll,
