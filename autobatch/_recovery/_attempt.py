@@ -38,6 +38,7 @@ from autobatch._recovery._patches import backward_handler
 from autobatch._recovery._rules import Kind, Seen
 
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
+_GRAD = operator.attrgetter("grad")
 
 
 @dataclass(frozen=True)
@@ -397,6 +398,30 @@ class _Attempt:
             (p, weakref.ref(g)) for p, g in zip(params, grads, strict=True) if g is not None
         ]
         self.versions_carried = [g._version for g in grads if g is not None]
+
+    def again(self, params: list[torch.Tensor]) -> None:
+        """Begin anew, for the fast path's next call: a light attempt (nothing copied) that
+        ended well, where every parameter has a gradient (the common case, read in a few C
+        calls: this runs on every step), else as :meth:`began_with` does."""
+        if self.stepped:
+            self.stepped = []
+        self.ours_stepped = False
+        self.firsts = None
+        grads = list(map(_GRAD, params))
+        try:
+            refs = list(map(weakref.ref, grads))
+        except TypeError:  # (a gradient is None)
+            self.began_with(params)
+            return
+        self.params = params
+        kept = self.undo.entries["gradients"]  # (a light attempt keeps nothing else)
+        assert isinstance(kept, _Kept)
+        kept.value = (params, refs)
+        if self.engine.known.drops_first >= 3:  # (a light attempt's step carries none)
+            self.carried = self.versions_carried = _NOTHING
+        else:
+            self.carried = list(zip(params, refs, strict=True))
+            self.versions_carried = list(map(_VERSION, grads))
 
     def __enter__(self) -> _Attempt:
         self.token = _ATTEMPT.set(self)

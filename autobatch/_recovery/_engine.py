@@ -35,6 +35,7 @@ from autobatch._recovery._arguments import (
 )
 from autobatch._recovery._attempt import _ATTEMPT as _CURRENT_ATTEMPT
 from autobatch._recovery._attempt import (
+    _EPOCH,
     _Attempt,
     _Failure,
     _Known,
@@ -222,24 +223,21 @@ class _Engine:
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call of the step: whole on the fast path until memory runs short."""
-        if self.calls == 0 or self.sizes.states or self.learned != structure_epoch() or (
+        if self.learned != _EPOCH[0] or self.sizes.states or (
             self.options.sync_ranks and self.coordinated() is not None
         ):
-            # the first call, or the first since something was registered into the step's
-            # modules (watched, to learn what it changes), memory ran short before (pieces,
-            # measured), or every step is agreed by all ranks
+            # the first call (learned is -1), or the first since something was registered into
+            # the step's modules (watched, to learn what it changes), memory ran short before
+            # (pieces, measured), or every step is agreed by all ranks
             return self.call(args, kwargs)
-        # The fast path, paid by every step that does not run out of memory, written out: an
-        # attempt (optimizer steps that begin, known changes copied), a try, the retries.
+        # The fast path, paid by every step that does not run out of memory, written out (its
+        # cost is mostly Python's on cold caches, after the step's own work: every line counts):
+        # an attempt (optimizer steps that begin, known changes copied), a try, the retries.
         known = self.known
         attempt = self._spare
         if attempt is not None and known.plain:  # (reset in place: nothing else to copy)
             self._spare = None
-            if attempt.stepped:
-                attempt.stepped = []
-            attempt.ours_stepped = False
-            attempt.firsts = None
-            attempt.began_with(known.params)
+            attempt.again(known.params)
         else:
             attempt = _Attempt(
                 self, self._batch_tensors(args, kwargs) if known.writes_batch else None
@@ -263,21 +261,19 @@ class _Engine:
         if attempt.light:  # (one that copied state, or failed, is not reused)
             self._spare = attempt
         self.calls += 1
-        self.tally.rows += self._rows(args, kwargs)
-        if not (attempt.ours_stepped or known.carries) and (self.optimizers or self.keeps_gradients):
+        try:  # noqa: SIM105 (suppress() is a context manager: slower, on every step)
+            self.tally.rows += quick_rows(self._locate(args, kwargs))
+        except TypeError:  # (called without its batch: found on the first split)
+            pass
+        if not attempt.ours_stepped and (self.optimizers or self.keeps_gradients) and (
+            not known.carries
+        ):
             self._note_carried()
         if attempt.stepped and not self.optimizers:
             bare_steps(self, attempt.stepped, in_piece=False)
         if self.watch.step_done(self._watched()):
             self._thrashing(self._locate(args, kwargs))
         return result
-
-    def _rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """The rows of a call's batch, for the statistics (a look at its first tensor)."""
-        try:
-            return quick_rows(self._locate(args, kwargs))
-        except TypeError:
-            return 0
 
     def _note_carried(self) -> None:
         """A call without an optimizer step of its own left gradients: the next may add to them."""
