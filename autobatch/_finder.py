@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, ParamSpec
 
@@ -16,7 +15,7 @@ from autobatch import _distributed
 from autobatch._backends import DeviceLike, DeviceMemory, memory_for
 from autobatch._cache import CacheOption, cached_search, open_cache, search_key
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._log import get_logger, user_stacklevel
+from autobatch._log import get_logger
 from autobatch._measure import per_operator_possible
 from autobatch._oom import oom_kind
 from autobatch._progress import OnTrial, watching
@@ -73,10 +72,9 @@ def search_batch_size(
 
     Runs zero_grad, forward, loss, backward and optimizer step at the sizes a memory-model-guided
     search chooses, catches out-of-memory errors, frees memory and goes on: the largest size that
-    fits is exact (it ran, the next size up ran out of memory or is ``max_batch``), and with
-    headroom the recommended size's own peak was measured within ``(1 - headroom)`` of the memory
-    (a warning when even ``min_batch`` is above it). Afterwards the model, optimizer, RNG streams
-    and device memory are exactly as before.
+    fits is exact (it ran, the next size up ran out of memory or is ``max_batch``), and the
+    recommended size, ``(1 - headroom)`` of it, trained in a trial of its own. Afterwards the
+    model, optimizer, RNG streams and device memory are exactly as before.
 
     ``start`` (a first size to try) and ``prior`` (a predicted memory model, e.g. a plan's)
     seed the search so a good guess costs two or three trials; ``plan=True`` gets both from
@@ -120,10 +118,11 @@ def search_batch_size(
         device: The device whose memory to search (default: the model's).
         min_batch, max_batch, multiple_of: The sizes allowed (e.g. ``max_batch=len(dataset)``,
             ``multiple_of=8`` for tensor cores).
-        headroom: Fraction of the capacity the returned size leaves free at its measured peak (one
-            more trial measures it); 0 returns the exact largest size that fits. Devices without
-            memory statistics (MPS, the CPU) scale the largest size instead, and say so in the
-            notes.
+        headroom: The share of the largest size that fits the recommended size leaves unused
+            (0.1: a tenth fewer rows, so about a tenth of the batch's own memory stays free,
+            whatever the model's fixed state and the allocator's segments hold); one more
+            trial proves it trains. 0 returns the exact largest size that fits. The guard's
+            ``headroom`` means the same.
         steps_per_trial: Steps run at each size (several catch memory that grows over steps).
         scaler: A ``torch.amp.GradScaler``: used by the default step, and restored afterwards.
         start, prior, plan, sync_ranks, cache, on_trial, progress: See above.
@@ -268,35 +267,22 @@ def _measured_search(
         )
         if outcome.largest_fit is None:
             raise _nothing_fits(records, spec.min_batch, budget, memory.name, outcome.model)
-        # With headroom, the recommended size's own peak is measured (one more trial, below the
-        # largest): a prediction may be off by the allocator's rounding, or bend.
+        # The recommended size is proven by a trial of its own (one more, below the largest).
         recommended = recommend(
             outcome,
-            capacity_bytes=budget if memory.has_statistics else None,
             headroom=spec.headroom,
             multiple_of=spec.multiple_of,
             min_size=spec.min_batch,
             probe=probe,
-            prior=prior,
+            capacity_bytes=budget if memory.has_statistics else None,
         )
-    if spec.headroom and memory.has_statistics:
-        measured = [
-            t.peak_bytes if t.reserved_bytes is None else t.reserved_bytes
-            for t in records if t.size == recommended and t.fits
-        ]
-        ceiling = math.floor((1 - spec.headroom) * budget)
-        if measured and measured[-1] is not None and measured[-1] > ceiling:
-            text = (
-                f"even batch {recommended} peaks at {format_bytes(measured[-1])}, more than the "
-                f"{format_bytes(ceiling)} that headroom={spec.headroom:g} leaves of "
-                f"{format_bytes(budget)}"
-            )
-            warnings.warn(text, stacklevel=user_stacklevel())
-            notes.append(text)
-    if not memory.has_statistics and spec.headroom:
+    step = spec.multiple_of
+    computed = math.floor((1 - spec.headroom) * outcome.largest_fit) // step * step
+    if recommended < computed:  # (recommend() proved its size by a trial)
         notes.append(
-            f"{memory.name} keeps no memory statistics: headroom applied to the batch size "
-            f"({1 - spec.headroom:.0%} of the largest that fit)"
+            f"batch {computed} ({1 - spec.headroom:.0%} of {outcome.largest_fit}) ran out of "
+            f"memory where {outcome.largest_fit} trained: the fit map has gaps; recommended "
+            f"{recommended}, the largest below them that trained"
         )
     result = SearchResult(
         batch_size=recommended,

@@ -87,8 +87,8 @@ def search_batch_sizes(
     is affine in the batch at a fixed length, and its bytes per sample a polynomial of degree
     at most 2 in the length), drawn through the nearest of them; a trial at the predicted size
     and one at the size next to it prove it. With ``headroom=0`` five lengths take about
-    ``2 * 5 + 3`` trials; with headroom each length has one more, measuring the recommended
-    size's own peak. Afterwards the model, optimizer, RNG streams and device memory are
+    ``2 * 5 + 3`` trials; with headroom each length has one more, proving the recommended
+    size. Afterwards the model, optimizer, RNG streams and device memory are
     exactly as before.
 
     ``table.batch_size(length)`` is the recommended size measured at the shortest measured

@@ -86,7 +86,7 @@ def plot_search(result: SearchResult, path: str | os.PathLike[str] | None = None
     """Peak memory against batch size for a :class:`~autobatch.SearchResult`; returns the figure.
 
     Fitting trials are points (numbered in the order they ran), failing trials are crosses on
-    the capacity line, the fitted memory model is a line, and the capacity, the headroom limit
+    the capacity line, the fitted memory model is a line, and the capacity
     and the recommended size are marked. Without memory statistics (MPS, CPU) the trials are
     drawn by their order instead. Saves a PNG (or any format matplotlib knows by the file's
     extension) to ``path`` when given.
@@ -106,12 +106,8 @@ def plot_search(result: SearchResult, path: str | os.PathLike[str] | None = None
         return _save(figure, path)
     scale, unit = _unit(result.capacity_bytes)
     capacity = result.capacity_bytes / scale
-    limit = capacity * (1 - result.headroom)
     axes.axhline(capacity, color=_FAIL, linewidth=1.2,
                  label=f"capacity {format_bytes(result.capacity_bytes)}")
-    if result.headroom:
-        axes.axhline(limit, color=_FAIL, linewidth=1, linestyle=":",
-                     label=f"headroom limit ({result.headroom:.0%} free)")
     if result.memory_model is not None:
         model = result.memory_model
         xs = [0.0, top * 1.08]

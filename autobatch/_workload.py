@@ -19,8 +19,9 @@ from autobatch import _batch
 from autobatch._backends import DeviceLike, resolve_device
 from autobatch._validate import check_search_options, is_sample_factory
 
-#: Fraction of the device's capacity the recommended batch leaves free at its peak by default.
-DEFAULT_HEADROOM = 0.05
+#: The share of the largest batch that trains the recommended batch leaves unused, by default
+#: (the same meaning as the guard's ``headroom``: see :func:`autobatch.search.recommend`).
+DEFAULT_HEADROOM = 0.1
 
 Batch = Any
 LossFn = Callable[..., torch.Tensor]

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import autobatch
 from autobatch import AutobatchError, LengthTable, search_batch_size, search_batch_sizes
-from autobatch._search import LinearModel, Predicted, Trial, predict_line, recommend, search
+from autobatch._search import LinearModel, Predicted, Trial, predict_line, search
 from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import gru, tokens, transformer
@@ -419,27 +419,6 @@ def test_predicted_policy_is_exact_from_any_start(start: int, multiple_of: int) 
     without = search(lambda n: Trial(n, n <= 100), start=start, multiple_of=multiple_of,
                      policy=Predicted())
     assert without.largest_fit == outcome.largest_fit
-
-
-def test_recommend_after_one_measured_size_uses_the_priors_slope() -> None:
-    """A prediction proven in two trials measured one size: the headroom's size comes from the
-    prior's slope through its peak, then is measured; without a prior it is bisected."""
-    probe = _linear_probe(1_000_000, 10_000, 2_000_000)
-    prior = LinearModel(900_000, 11_000)
-    outcome = search(probe, capacity_bytes=2_000_000, start=100, prior=prior, policy=Predicted())
-    assert outcome.sizes == (100, 101)
-    asked: list[int] = []
-
-    def measured(n: int) -> Trial:
-        asked.append(n)
-        return probe(n)
-
-    options: dict[str, Any] = {"capacity_bytes": 2_000_000, "headroom": 0.05, "probe": measured}
-    assert recommend(outcome, prior=prior, **options) == 90  # 1.9 MB: 90 samples of 10 kB
-    assert asked == [90]
-    asked.clear()
-    assert recommend(outcome, **options) <= 90
-    assert asked[0] == 50  # bisected
 
 
 def _table_on_rank(rank: int) -> dict[str, Any]:

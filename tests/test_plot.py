@@ -53,7 +53,7 @@ def test_search_plot_is_a_png_of_the_stated_size(search: SearchResult, tmp_path:
     assert "peak memory" in axes.get_ylabel()
     labels = [text.get_text() for text in axes.get_legend().get_texts()]
     assert any(label.startswith("capacity") for label in labels)
-    assert any(label.startswith("headroom") for label in labels)
+    assert any(label.startswith("recommended batch") for label in labels)
     assert any(label.startswith("fit:") for label in labels)
     assert f"recommended batch {search.batch_size}" in labels
     assert "trial out of memory" in labels

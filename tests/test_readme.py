@@ -1,7 +1,7 @@
 """Every Python example in the README and in docs/ runs, and every relative link resolves.
 
 A ```python block runs; a block that needs a GPU or torchrun is fenced ```py (or ```text) and is
-shown, not run. A block preceded by the line ``<!-- slow -->`` runs in the slow tier only.
+shown, not run. Where the text after a block says "It prints `...`", that is checked. A block preceded by the line ``<!-- slow -->`` runs in the slow tier only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-EXAMPLE = re.compile(r"^(<!-- slow -->\n)?```python\n(.+?)^```", flags=re.DOTALL | re.MULTILINE)
+EXAMPLE = re.compile(
+    r"^(<!-- slow -->\n)?```python\n(.+?)^```\n(?:\nIt prints `([^`]+)`)?",
+    flags=re.DOTALL | re.MULTILINE,
+)
 FENCED = re.compile(r"^```.*?^```", flags=re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # Pages of tables and design notes, with no example to run.
@@ -33,7 +36,8 @@ def _examples() -> Iterator[Any]:
         for index, match in enumerate(EXAMPLE.finditer(page.read_text())):
             marks = [pytest.mark.slow] if match.group(1) else []
             name = f"{_name(page)} example {index}"
-            yield pytest.param(name, match.group(2), marks=marks, id=f"{_name(page)}-{index}")
+            yield pytest.param(name, match.group(2), match.group(3), marks=marks,
+                               id=f"{_name(page)}-{index}")
 
 
 @pytest.fixture
@@ -58,11 +62,18 @@ def test_the_readme_and_every_docs_page_have_examples() -> None:
     assert names == {_name(page) for page in PAGES} - NO_EXAMPLES
 
 
-@pytest.mark.parametrize(("name", "code"), list(_examples()))
+@pytest.mark.parametrize(("name", "code", "prints"), list(_examples()))
 @pytest.mark.usefixtures("restored")
-def test_example_runs(name: str, code: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_example_runs(
+    name: str, code: str, prints: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each example runs and prints no ``False``; where the page says what it prints ("It
+    prints `...`" after the block), that is its last line."""
     exec(compile(code, name, "exec"), {"__name__": "docs"})
-    assert "False" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "False" not in out
+    if prints is not None:
+        assert out.strip().splitlines()[-1] == prints
 
 
 def _anchors(page: Path) -> set[str]:

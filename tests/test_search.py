@@ -17,6 +17,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import autobatch.search
+from autobatch._search._model import (
+    Verdicts,
+)
 from autobatch.search import (
     UNBOUNDED_MAX_SIZE,
     Exponential,
@@ -572,14 +575,11 @@ def test_exact_prior_or_start_takes_two_trials(target: int) -> None:
 # --- recommend ----------------------------------------------------------------------------------
 
 
-def test_recommend_uses_the_model() -> None:
-    model = LinearModel(fixed=2 * GIB, per_sample=10 * MIB)
+def test_recommend_is_a_share_of_the_largest_size() -> None:
+    model = LinearModel(fixed=2 * GIB, per_sample=10 * MIB)  # (a model changes nothing)
     found = SearchOutcome(largest_fit=614, smallest_fail=615, trials=(), model=model)
-    capacity = 8 * GIB
-    size = recommend(found, capacity_bytes=capacity, headroom=0.1, multiple_of=8)
-    assert size == 528  # 2 GiB + 10 MiB * 532 <= 7.2 GiB, rounded down to a multiple of 8
-    assert model.predict(size) <= 0.9 * capacity
-    assert recommend(found, capacity_bytes=capacity) == 614
+    assert recommend(found, headroom=0.1, multiple_of=8) == 552  # 0.9 * 614 = 552.6
+    assert recommend(found) == 614
 
 
 def test_recommend_without_a_model_scales_the_answer() -> None:
@@ -589,81 +589,96 @@ def test_recommend_without_a_model_scales_the_answer() -> None:
     assert recommend(found, headroom=0.99, multiple_of=8, min_size=10) == 16
 
 
-def test_recommend_never_exceeds_the_answer() -> None:
-    model = LinearModel(fixed=1.0, per_sample=1.0)
-    found = SearchOutcome(largest_fit=50, smallest_fail=51, trials=(), model=model)
-    assert recommend(found, capacity_bytes=10**9, headroom=0.5) == 50
-
-
-def test_recommend_bisects_on_past_its_first_size_within_the_headroom() -> None:
-    """Reserved memory grows in whole 20 MiB segments: the lines through the allocated peaks
-    miss twice, and the bisection that follows goes on once a size is within the target
-    (it returned that first size, 125, where 128 is the largest)."""
-
-    def probe(n: int) -> Trial:
-        allocated = n * 320 * 1024
-        reserved = 2 * MIB + -(-allocated // (20 * MIB)) * 20 * MIB
-        if reserved > 64 * MIB:
-            return Trial(n, fits=False, error="oom")
-        return Trial(n, fits=True, peak_bytes=allocated, reserved_bytes=reserved)
-
-    outcome = search(probe, capacity_bytes=64 * MIB)
+def test_recommend_proves_its_size_with_one_probe_and_none_for_a_size_known() -> None:
+    found = SearchOutcome(100, 101, (Trial(100, True), Trial(40, True)), None)
     asked: list[int] = []
 
-    def counting(n: int) -> Trial:
+    def probe(n: int) -> Trial:
         asked.append(n)
-        return probe(n)
+        return Trial(n, fits=n <= 100)
 
-    size = recommend(outcome, capacity_bytes=64 * MIB, headroom=0.05, probe=counting)
-    assert outcome.largest_fit == 192
-    assert asked == [151, 150, 125, 137, 131, 128]  # two misses, then bisection
-    assert size == 128  # 40 MiB allocated, 42 MiB reserved: 129 needs 62 of the 60.8 allowed
+    assert recommend(found, headroom=0.1, probe=probe) == 90
+    assert asked == [90]
+    asked.clear()
+    assert recommend(found, headroom=0.6, probe=probe) == 40
+    assert asked == []  # (40 trained already)
 
 
-@settings(max_examples=150, deadline=None)
+def test_recommend_bisects_below_a_gap_and_a_trusted_replay_skips_it() -> None:
+    """Under a caching allocator the fit map can have gaps: 60 to 95 fail where 100 trains. The
+    computed size (90) fails, and the largest size below the gap is bisected; a replay that
+    agrees with the trials names it, and one trial proves it."""
+
+    def fits(n: int) -> bool:
+        return n < 60 or 95 <= n <= 100
+
+    def peaks(n: int) -> tuple[int, int] | None:
+        return (n * 1000, n * 1000) if fits(n) else None
+
+    asked: list[int] = []
+
+    def probe(n: int) -> Trial:
+        asked.append(n)
+        return Trial(n, fits=fits(n), peak_bytes=n * 1000 if fits(n) else None)
+
+    plain = SearchOutcome(100, 101, (Trial(10, True, 10_000), Trial(100, True, 100_000)), None)
+    assert recommend(plain, headroom=0.1, probe=probe, max_probes=8) == 59
+    assert asked[0] == 90
+    assert len(asked) <= 8
+    asked.clear()
+    replay = Verdicts(peaks)
+    replayed = SearchOutcome(100, 101, (
+        Trial(10, True, 10_000), Trial(100, True, 100_000, curve=replay),
+    ), None)
+    assert recommend(replayed, headroom=0.1, probe=probe, capacity_bytes=10**6) == 59
+    assert asked == [59]
+
+
+@settings(max_examples=300, deadline=None)
 @given(
-    st.lists(
-        st.tuples(st.integers(0, 40 * MIB), st.integers(0, 200_000)), min_size=1, max_size=4
-    ),
-    st.sampled_from([0.05, 0.1, 0.2, 0.3, 0.5]),
+    st.integers(1, 5000),
+    st.lists(st.tuples(st.integers(1, 5000), st.integers(1, 400)), max_size=3),
+    st.sampled_from([0.05, 0.1, 0.2, 0.5]),
     st.sampled_from([1, 8]),
+    st.booleans(),
 )
-def test_recommended_peak_is_within_the_headroom_on_any_bent_curve(
-    lines: list[tuple[int, int]], headroom: float, multiple_of: int
+def test_recommend_returns_a_size_that_trained_within_its_share(
+    largest: int, gaps: list[tuple[int, int]], headroom: float, multiple_of: int, replayed: bool
 ) -> None:
-    """The step's peak is the maximum of its parts (each affine, rounded to 512-byte blocks):
-    the recommended size's peak is at most (1 - headroom) of the capacity whichever part binds
-    there, or it is the smallest size and every size's peak is above it."""
-    capacity = 64 * MIB
-    assume(any(per_sample > 0 for _, per_sample in lines))
+    """Any fit map (a largest size that trains, gaps of failing sizes below it), with or
+    without a replay: the size is on the grid, at most ``(1 - headroom)`` of the largest, a
+    size that trained (probed or among the trials) unless it is the smallest grid size, found
+    in at most ``max_probes`` probes, none at a size already known; on a map without gaps it
+    is the computed size itself."""
+    assume(largest >= multiple_of)
+    failing = {n for start, width in gaps for n in range(start, min(start + width, largest))}
 
-    def parts(n: int) -> tuple[int, ...]:
-        return tuple(rounded(fixed + per_sample * n, 512) for fixed, per_sample in lines)
+    def fits(n: int) -> bool:
+        return n <= largest and n not in failing
 
-    def probe(n: int) -> Trial:
-        peak = max(parts(n))
-        return Trial(n, fits=peak <= capacity, peak_bytes=peak, parts=parts(n))
-
-    assume(probe(multiple_of).fits)
-    outcome = search(probe, capacity_bytes=capacity, multiple_of=multiple_of)
-    assert outcome.largest_fit is not None
+    trials = [Trial(largest, True, largest * 10)]
+    if replayed:
+        curve = Verdicts(lambda n: (n * 10, n * 10) if fits(n) else None)
+        trials = [Trial(largest, True, largest * 10, curve=curve)]
+    found = SearchOutcome(largest, largest + 1, tuple(trials), None)
     asked: list[int] = []
 
-    def counting(n: int) -> Trial:
+    def probe(n: int) -> Trial:
+        assert n not in asked
+        assert n != largest
         asked.append(n)
-        return probe(n)
+        return Trial(n, fits(n), n * 10 if fits(n) else None)
 
-    size = recommend(outcome, capacity_bytes=capacity, headroom=headroom,
-                     multiple_of=multiple_of, probe=counting)
-    target = (1 - headroom) * capacity
+    size = recommend(found, headroom=headroom, multiple_of=multiple_of, probe=probe,
+                     capacity_bytes=largest * 10 if replayed else None)
+    computed = max(multiple_of, int((1 - headroom) * largest) // multiple_of * multiple_of)
     assert size % multiple_of == 0
-    assert size <= outcome.largest_fit
-    assert len(asked) <= 6
-    if max(parts(size)) > target:
-        assert size == multiple_of
-    assert recommend(outcome, capacity_bytes=capacity, multiple_of=multiple_of) == (
-        outcome.largest_fit // multiple_of * multiple_of
-    )
+    assert size <= computed
+    assert fits(size) or size == multiple_of
+    assert len(asked) <= 4
+    if not failing:
+        assert size == computed
+        assert len(asked) <= 1
 
 
 def test_recommend_checks_its_arguments() -> None:

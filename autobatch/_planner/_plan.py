@@ -121,7 +121,7 @@ def plan_max_batch(
         capacity: The device's memory, as bytes or a string with a unit (``"24GiB"``, ``"80GB"``).
         loss_fn, step_fn, train: As for :func:`~autobatch.find_max_batch`.
         min_batch, max_batch, multiple_of: The sizes allowed.
-        headroom: Fraction of the capacity the recommended ``batch_size`` leaves free at its peak.
+        headroom: The share of the largest size the recommended ``batch_size`` leaves unused.
         overhead: Bytes the device holds besides the step's tensors (CUDA context, often 300-600 MiB
             and not in ``torch.cuda.memory_allocated``; cuBLAS/cuDNN workspaces; other processes):
             the peak may use ``capacity - overhead``.
@@ -229,16 +229,12 @@ def _plan_on_meta(r: _Request) -> Plan:
             probe(half)
         memory_model = None if top is None else fit_linear([(half, peaks[half]), (top, peaks[top])])
         breakdown = setup.breakdown(largest)
-        # Planned like a search's trials: every part of the curve within (1 - headroom) of the
-        # capacity, the size's own planned peak checked.
-        batch_size = recommend(
+        batch_size = recommend(  # (planned, as a search proves it)
             outcome,
-            capacity_bytes=r.capacity_bytes,
             headroom=r.spec.headroom,
             multiple_of=r.spec.multiple_of,
             min_size=r.spec.min_batch,
             probe=probe,
-            reserved_bytes=r.overhead_bytes,
         )
     extra = []
     if setup.mode.attention and r.device_type != "cpu":  # (the CPU chose the math path too)
@@ -388,8 +384,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
     predicted = peaks.get(largest, int(line.predict(largest)) if line is not None else peaks[biggest])
     outcome = SearchOutcome(largest, largest + step, tuple(t for t in trials if t.fits), line)
     batch_size = recommend(
-        outcome, capacity_bytes=r.capacity_bytes, headroom=r.spec.headroom, multiple_of=step,
-        min_size=r.spec.min_batch, reserved_bytes=r.overhead_bytes,
+        outcome, headroom=r.spec.headroom, multiple_of=step, min_size=r.spec.min_batch
     )
     scale = largest / biggest
     fixed = (

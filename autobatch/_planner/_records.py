@@ -57,7 +57,7 @@ class Plan:
 
     ``max_batch_size`` is the largest size whose planned peak plus ``overhead_bytes`` fits the
     capacity (exact for the planner's accounting: that size was planned and fit, the next one was
-    planned and did not); ``batch_size`` leaves ``headroom`` of the capacity free. ``points`` are
+    planned and did not); ``batch_size`` is ``(1 - headroom)`` of it, on the grid. ``points`` are
     every ``(size, planned peak bytes)`` computed; ``memory_model`` is the line through the points
     at about half the largest size and at the largest size (``None`` when memory does not grow).
     ``breakdown`` splits the peak at ``max_batch_size``; ``seconds`` is the planning time.

@@ -167,30 +167,30 @@ def allocated_capacity(trials: Sequence[Trial], capacity_bytes: int | None) -> i
 def recommend(
     outcome: SearchOutcome,
     *,
-    capacity_bytes: int | None = None,
     headroom: float = 0.0,
     multiple_of: int = 1,
     min_size: int = 1,
     probe: Callable[[int], Trial] | None = None,
-    reserved_bytes: int = 0,
-    max_probes: int = 6,
-    prior: LinearModel | None = None,
+    max_probes: int = 4,
+    capacity_bytes: int | None = None,
 ) -> int:
-    """The largest grid size at most ``outcome.largest_fit`` that leaves ``headroom`` of memory free.
+    """The recommended size: the largest grid size at most ``(1 - headroom)`` times
+    ``outcome.largest_fit`` that trains.
 
-    ``headroom=0`` is ``largest_fit`` itself (on the grid). Otherwise, with measured peaks and
-    ``capacity_bytes``, the target is a peak of at most ``(1 - headroom) * capacity_bytes -
-    reserved_bytes``; where trials report the caching allocator's reserved peak
-    (``Trial.reserved_bytes``), that peak is held to the target, not the allocated one, so the
-    headroom comes on top of the fragmentation measured (and the lines of allocated peaks aim
-    at the target divided by it, see :func:`fragmentation`): the size is predicted by the line of the part (see :func:`binding_points`)
-    that reaches that target first, which on a bent curve need not be the part that binds at
-    the capacity. With a ``probe`` the prediction is checked: a size whose peak was not
-    measured is probed, and one whose peak is above the target is refitted below, so the size
-    returned has a measured peak within the target (the smallest grid size when none has; the
-    caller can tell from the trials). Without peaks: ``(1 - headroom) * largest_fit`` rounded
-    down (or ``outcome.model``'s prediction, when there is one). Always on the grid, never below
-    the smallest grid size and never above ``largest_fit``.
+    ``headroom`` is a share of the largest size that trains, the meaning it has everywhere in
+    autobatch (the finder, the per-length tables, the planner, the guard's pieces): memory
+    that grows with the batch grows with its rows, so a tenth fewer rows than the largest
+    leave about a tenth of the batch's own memory unused, whatever the model's fixed state and
+    the allocator's segments hold. (A share of the device cannot say that: under a caching
+    allocator even one row may reserve most of it.) ``headroom=0`` is ``largest_fit`` itself.
+
+    With a ``probe`` the size is proven: a size measured fitting is returned as it is, one not
+    measured is probed, and one that fails (a fit map with gaps below the largest) is bisected
+    downwards, between the largest size known to fit below it and it, with at most
+    ``max_probes`` probes. Where the trials carry a caching allocator's replay that agrees with
+    them (``capacity_bytes`` given, see :func:`trusted_curve`), the size probed is the largest
+    at most the computed one that the replay says fits: a gap the replay sees costs no trial. Without one, the size is returned as computed. Always on the grid,
+    never below the smallest grid size and never above ``largest_fit``.
 
     >>> found = SearchOutcome(largest_fit=100, smallest_fail=101, trials=(), model=None)
     >>> recommend(found, headroom=0.1, multiple_of=8)
@@ -198,134 +198,68 @@ def recommend(
 
     Args:
         outcome: a search result with a fitting size.
-        capacity_bytes: the memory budget the peaks are compared with.
-        headroom: the fraction of capacity to leave free, in ``[0, 1)``.
+        headroom: the share of the largest size left unused, in ``[0, 1)``.
         multiple_of: the grid step.
         min_size: the smallest size allowed.
-        probe: the search's probe, to measure sizes the prediction proposes (e.g. ``find``'s
-            trial runner); ``None`` trusts the prediction.
-        reserved_bytes: bytes the peaks do not include but the capacity must hold (a plan's
-            overhead).
+        probe: the search's probe, to prove the size (e.g. ``find``'s trial runner); ``None``
+            trusts the arithmetic.
         max_probes: the most sizes probed.
-        prior: a memory model predicted before the search (see :func:`search`): its slope,
-            through the largest measured peak, predicts the size when the trials measured
-            one size only (a ``start`` proven in two trials).
+        capacity_bytes: the memory the trials' replay is judged against (``None``: no replay).
     """
     check_int("multiple_of", multiple_of, minimum=1)
     check_int("min_size", min_size, minimum=1)
-    check_int("reserved_bytes", reserved_bytes, minimum=0)
     check_int("max_probes", max_probes, minimum=0)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
     largest = outcome.largest_fit
     if largest is None:
         raise ValueError("outcome has no fitting size (largest_fit is None); nothing to recommend")
-    smallest = -(-min_size // multiple_of) * multiple_of
-    top = largest // multiple_of * multiple_of
+    step = multiple_of
+    smallest = -(-min_size // step) * step
+    top = largest // step * step
     if top < smallest:
         raise ValueError(
             f"largest_fit={largest} is below the smallest grid size {smallest} "
             f"(min_size={min_size}, multiple_of={multiple_of}); pass the search's own grid"
         )
-    if headroom == 0:
-        return top  # the exact largest size that fits: it was probed and it fit
+    size = max(smallest, min(math.floor((1 - headroom) * largest) // step * step, top))
+    if probe is None or headroom == 0:
+        return size
     trials = list(outcome.trials)
-    measured = any(t.fits and t.peak_bytes is not None for t in trials)
-    if capacity_bytes is None or not measured:
-        if outcome.model is not None and capacity_bytes is not None:
-            size = outcome.model.largest_within((1 - headroom) * capacity_bytes - reserved_bytes)
+    known: dict[int, bool] = {}
+    for t in trials:
+        known[t.size] = known.get(t.size, True) and t.fits  # (a size that ever failed, failed)
+    low = max((n for n, fits in known.items() if fits and n <= size and n % step == 0),
+              default=smallest - step)  # the largest known to fit (or below the grid)
+    high = size + step  # the smallest known to fail above ``low``, as far as it matters
+    replay = trusted_curve(trials, capacity_bytes)
+    if isinstance(replay, Verdicts) and size not in known:
+        size = _replayed(replay, low, size, step)
+        high = size + step  # (the replay's gap above it is trusted: a fit there ends it)
+    probes = 0
+    while low < size < high:
+        if size not in known:
+            if probes == max_probes:
+                break
+            probes += 1
+            known[size] = probe(size).fits
+        if known[size] and high == size + step:
+            return size  # the computed size trains (the common case)
+        if known[size]:
+            low = size
         else:
-            size = math.floor((1 - headroom) * largest)
-        return max(smallest, min(size // multiple_of * multiple_of, top))
-    target = math.floor((1 - headroom) * capacity_bytes) - reserved_bytes
-    return _Settling(trials, target, smallest, top, multiple_of, prior).run(probe, max_probes)
+            high = size  # a gap below the largest: bisect between what fits and it
+        size = max((low + high) // 2 // step * step, low + step)
+    return max(low, smallest)
 
 
-class _Settling:
-    """:func:`recommend`'s measured search: the largest grid size whose peak is within a target,
-    between the sizes measured within it and those measured above it."""
-
-    def __init__(
-        self, trials: list[Trial], target: int, smallest: int, top: int, step: int,
-        prior: LinearModel | None = None,
-    ) -> None:
-        self.trials = trials
-        self.target = target
-        self.smallest, self.top, self.step = smallest, top, step
-        self.prior = prior
-
-    def bounds(self) -> tuple[int | None, int]:
-        """(largest grid size measured within the target, smallest size known above it)."""
-        within: int | None = None
-        above = self.top + self.step
-        for t in self.trials:
-            held = t.peak_bytes if t.reserved_bytes is None else t.reserved_bytes
-            over = not t.fits or (held is not None and held > self.target)
-            if over:
-                above = min(above, t.size)
-            elif t.peak_bytes is not None and t.size % self.step == 0 and t.size <= self.top:
-                within = t.size if within is None else max(within, t.size)
-        return within, above
-
-    def predict(self) -> int | None:
-        """The largest size the parts' lines put within the target (``None``: no line)."""
-        # The lines are of allocated peaks; the target is of reserved memory, where a caching
-        # allocator reports it: they meet at the target less the fragmentation measured.
-        target = max(math.floor(self.target / fragmentation(self.trials)), 1)
-        points = binding_points(self.trials, target)
-        model = fit_linear(points)
-        if model is None and self.prior is not None and len({n for n, _ in points}) == 1:
-            size, peak = max(points)  # one size measured: the prior's slope through its peak
-            model = LinearModel(peak - self.prior.per_sample * size, self.prior.per_sample)
-        if model is None:
-            return None
-        return model.largest_within(target)
-
-    def replayed(self) -> int | None:
-        """The largest grid size whose reserved peak is within the target in the caching
-        allocator's replay (a trusted :class:`Verdicts` curve: segments and pools, which the
-        lines of allocated peaks do not see); ``None`` without one."""
-        curve = trusted_curve(self.trials, self.target)
-        if not isinstance(curve, Verdicts):
-            return None
-
-        def within(n: int) -> bool:
-            try:
-                reserved = curve.reserved_at(n)
-            except (ArithmeticError, ValueError):
-                return False
-            return reserved is not None and reserved <= self.target
-
-        low, high = self.smallest - self.step, self.top + self.step  # within, above
-        while high - low > self.step:  # (reserved memory grows with the size)
-            middle = max((low + high) // 2 // self.step * self.step, low + self.step)
-            low, high = (middle, high) if within(middle) else (low, middle)
-        return low if low >= self.smallest else None
-
-    def run(self, probe: Callable[[int], Trial] | None, max_probes: int) -> int:
-        misses = 0
-        replayed = self.replayed()
-        for probes in range(max_probes + 1):  # (each pass that goes on probed once)
-            within, above = self.bounds()
-            lower = self.smallest - self.step if within is None else within
-            if above - lower <= self.step:
-                break
-            predicted = replayed if replayed is not None and misses == 0 else self.predict()
-            # the lines misled twice (or there are none): bisect
-            bisecting = predicted is None or misses >= 2
-            guess = (lower + above) // 2 if predicted is None or bisecting else predicted
-            size = min(max(guess // self.step * self.step, lower + self.step), above - self.step)
-            if probe is None:
-                return size
-            if (within is not None and size <= within) or probes == max_probes:
-                break
-            trial = probe(size)
-            self.trials.append(trial)
-            held = trial.peak_bytes if trial.reserved_bytes is None else trial.reserved_bytes
-            if not trial.fits or (held or 0) > self.target:
-                misses += 1
-            elif not bisecting or trial.peak_bytes is None:
-                return size  # within the target (or unmeasured: trusted); the lines aimed at the largest
-            # (a bisection's size within the target raises the lower bound: the search goes on)
-        within, _ = self.bounds()
-        return self.smallest if within is None else within
+def _replayed(replay: Verdicts, low: int, size: int, step: int) -> int:
+    """The largest grid size in ``(low, size]`` the replay says fits (bisected below a size it
+    says fails: the gaps of a caching allocator's fit map are bands), else ``size``."""
+    if replay.peak_at(size) is not None:
+        return size
+    high = size
+    while high - low > step:
+        middle = max((low + high) // 2 // step * step, low + step)
+        low, high = (middle, high) if replay.peak_at(middle) is not None else (low, middle)
+    return low if low >= step else size

@@ -329,8 +329,8 @@ def _plan(args: argparse.Namespace) -> int:
         _emit_json({"command": "plan", **_plan_dict(plan), "seconds": seconds})
         return EXIT_OK
     print(f"predicted largest batch: {plan.max_batch_size}")
-    print(f"recommended batch size:  {plan.batch_size} (leaves {plan.headroom:.0%} of "
-          f"{format_bytes(plan.capacity_bytes)} free)")
+    print(f"recommended batch size:  {plan.batch_size} (headroom {plan.headroom:g}: "
+          f"{1 - plan.headroom:.0%} of the largest)")
     if plan.memory_model is not None:
         model = plan.memory_model
         print(f"memory model: {format_bytes(model.fixed)} + {format_bytes(model.per_sample)} "

@@ -115,16 +115,10 @@ def _search_lines(result: SearchResult, seconds: float, cached: str | None) -> l
         lines.append(f"cached result from {cached} (--no-cache measures again):")
         lines += [f"  trial {i:>2}  {t}" for i, t in enumerate(result.trials, start=1)]
     lines.append(f"largest batch that fits: {result.max_batch_size}")
-    measured = any(t.peak_bytes is not None for t in result.trials)
-    if result.headroom and not measured:
+    if result.headroom:
         lines.append(
-            f"recommended batch size:  {result.batch_size} ({1 - result.headroom:.0%} of the "
-            "largest: this device keeps no memory statistics)"
-        )
-    elif result.headroom:
-        lines.append(
-            f"recommended batch size:  {result.batch_size} (leaves {result.headroom:.0%} of "
-            f"{format_bytes(result.capacity_bytes)} free at the peak)"
+            f"recommended batch size:  {result.batch_size} (headroom {result.headroom:g}: at "
+            f"most {1 - result.headroom:.0%} of the largest, proven by a trial)"
         )
     else:
         lines.append(f"recommended batch size:  {result.batch_size}")
@@ -132,13 +126,17 @@ def _search_lines(result: SearchResult, seconds: float, cached: str | None) -> l
         model = result.memory_model
         lines.append(
             f"memory model: {format_bytes(model.fixed)} + {format_bytes(model.per_sample)} "
-            "per sample"
+            "per sample" if model.fixed >= 0 else  # (a line through two peaks may start below 0)
+            f"memory model: {format_bytes(model.per_sample)} per sample (a fixed cost too small "
+            "to tell apart)"
         )
+    if not any(t.peak_bytes is not None for t in result.trials):
+        lines.append("memory: no peaks measured (this device keeps no memory statistics)")
     when = "measured earlier" if cached is not None else f"in {seconds:.1f} s"
     lines.append(f"{len(result.trials)} trials ({result.oom_trials} out of memory) {when}")
     lines += [
         f"note: {note}" for note in result.notes
-        if not note.startswith("from the cache") and "keeps no memory statistics" not in note
+        if not note.startswith("from the cache")
     ]
     return lines
 

@@ -10,6 +10,8 @@ from typing import NoReturn
 import torch
 from torch import nn
 
+from autobatch._workload import DEFAULT_HEADROOM
+
 PROG = "autobatch"
 
 #: The simulated GPU's size for ``find`` and ``best`` when the device is the CPU.
@@ -120,8 +122,9 @@ def _device(parser: argparse.ArgumentParser, default_simulated: str) -> None:
 def _search_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The search's options; returns their group, for options only one subcommand has."""
     group = parser.add_argument_group("search")
-    group.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
-                       help="fraction of the memory to leave free at the peak (default 0.05)")
+    group.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, metavar="FRACTION",
+                       help="share of the largest batch the recommended one leaves unused "
+                            f"(default {DEFAULT_HEADROOM:g})")
     group.add_argument("--min-batch", type=int, default=1, metavar="N",
                        help="never try less than N (default 1)")
     group.add_argument("--max-batch", type=int, metavar="N", help="never try more than N")
@@ -176,8 +179,9 @@ def _demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="conv", choices=DEMO_WORKLOADS,
                         help="the built-in model (default conv: a conv net on 3x32x32 images)")
     _device(parser, DEMO_SIMULATED)
-    parser.add_argument("--headroom", type=float, default=0.05, metavar="FRACTION",
-                        help="fraction of the memory to leave free (default 0.05)")
+    parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, metavar="FRACTION",
+                        help="share of the largest batch the recommended one leaves unused "
+                             f"(default {DEFAULT_HEADROOM:g})")
     _common(parser, cache=False, plot=True)
 
 

@@ -11,8 +11,8 @@ AutobatchCallback(find=True, guard=True, batch_arg='batch_size', headroom=0.1)
 - ``find``: at the start of ``fit`` (where Lightning's own ``BatchSizeFinder`` works), the
   largest batch that fits is searched with :func:`autobatch.search_batch_size`, running the
   LightningModule's own ``training_step``, its ``backward``, the optimizer it configured and the
-  precision plugin's autocast and GradScaler; the recommended size (``headroom`` of the memory
-  left free) is set where Lightning's finder sets it (``model.<batch_arg>``,
+  precision plugin's autocast and GradScaler; the recommended size (``headroom`` of the largest
+  size left unused) is set where Lightning's finder sets it (``model.<batch_arg>``,
   ``model.hparams.<batch_arg>`` or the datamodule's), so the train dataloader is built with it.
   Weights, optimizer state, gradients, random streams and the trainer's counters are left as
   they were (``self.log`` is silenced during the trials).
@@ -53,6 +53,7 @@ from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom,
 from autobatch._log import get_logger, named_after
 from autobatch._recovery._patches import Patch
 from autobatch._recovery._results import _combine
+from autobatch._workload import DEFAULT_HEADROOM
 from autobatch.integrations import _common
 
 try:  # the unified package first, the standalone one where it is the only one installed
@@ -119,8 +120,8 @@ class AutobatchCallback(pl.Callback):  # type: ignore[misc]
         guard: recover training batches from out-of-memory errors.
         batch_arg: the attribute holding the batch size, as for Lightning's finder: on the
             LightningModule, its ``hparams``, or the datamodule.
-        headroom: the fraction of the device's memory the size found leaves free at its
-            measured peak (0: the largest size that fits).
+        headroom: the share of the largest size that fits the size set leaves unused (0: the
+            largest size that fits).
         sample: a batch (or a function ``n -> batch``) to search with; default the first rows of
             the train dataloader's dataset, collated by its ``collate_fn`` and moved to the
             device by the module's transfer hooks. Pass the worst case where batches differ
@@ -141,7 +142,7 @@ class AutobatchCallback(pl.Callback):  # type: ignore[misc]
         find: bool = True,
         guard: bool = True,
         batch_arg: str = "batch_size",
-        headroom: float = 0.05,
+        headroom: float = DEFAULT_HEADROOM,
         *,
         sample: Any = None,
         items: Callable[[Any], Any] | None = None,

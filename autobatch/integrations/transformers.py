@@ -62,6 +62,7 @@ from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom,
 from autobatch._log import get_logger, named_after, user_name
 from autobatch._recovery import RetryingStep
 from autobatch._recovery._patches import Patch
+from autobatch._workload import DEFAULT_HEADROOM
 from autobatch.integrations import _common, _trainer_loss
 
 __all__ = ["autobatch_trainer", "recovery_stats", "search_result"]
@@ -80,7 +81,7 @@ def autobatch_trainer(
     *,
     find: bool = True,
     guard: bool = True,
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     sample: Any = None,
     min_batch: int = 1,
     reduction: str | None = None,
@@ -97,8 +98,8 @@ def autobatch_trainer(
         find: search the per-device training batch size with the trainer's own step and set
             ``args.per_device_train_batch_size`` to the recommended size.
         guard: recover from out-of-memory errors inside ``training_step``.
-        headroom: the fraction of the device's memory the size found leaves free at its
-            measured peak (0: the largest size that fits).
+        headroom: the share of the largest size that fits the size set leaves unused (0: the
+            largest size that fits).
         sample: a batch (or a function ``n -> batch``) to search with; default the longest
             rows of ``train_dataset`` where their lengths are at hand (else its first rows)
             collated by the trainer's collator. Pass the worst case where batches differ in
