@@ -267,6 +267,12 @@ def _measured_search(
         )
         if outcome.largest_fit is None:
             raise _nothing_fits(records, spec.min_batch, budget, memory.name, outcome.model)
+        if work.step.stood_in:
+            notes.append(
+                "no loss_fn, and the model computes no loss of its own: sized with a stand-in "
+                "loss (a cross-entropy over each output's last dimension plus a squared error), "
+                "an upper bound of the usual per-row losses; pass loss_fn= to size your own"
+            )
         # The recommended size is proven by a trial of its own (one more, below the largest).
         recommended = recommend(
             outcome,

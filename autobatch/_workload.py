@@ -89,8 +89,9 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
     Face model given ``labels``); else a stand-in that costs at least what a training loss
     does: a cross-entropy over the last dimension of every floating-point output that needs a
     gradient (for a language model's logits that is the loss it trains with; it keeps the
-    log-probabilities for backward, as a real classification loss does), the mean of those
-    with fewer than two dimensions. A plain mean would keep nothing, so a language model would
+    log-probabilities for backward, as a real classification loss does) plus a squared error
+    against a target as large as it (a regression loss's), the mean of those with fewer than
+    two dimensions. A plain mean would keep nothing, so a language model would
     look cheaper than it is. When ``loss_fn`` cannot take what the model returned (an object
     such as a ``ModelOutput``), the error says in one line what came back and what to pass.
     """
@@ -108,13 +109,9 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
             "lambda output, target: cross_entropy(output.logits.flatten(0, -2), "
             "target.flatten())), or no loss_fn and labels the model computes its own loss from"
         )
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return loss
+    own = own_loss(output)
+    if own is not None:
+        return own
     parts = [
         _stand_in(t)
         for t in _batch.tensors(output)
@@ -129,15 +126,33 @@ def loss_of(output: Any, target: Any, loss_fn: LossFn | None) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
+def own_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself: a scalar output, or an output's ``.loss`` /
+    ``["loss"]`` (a Hugging Face model given ``labels``); ``None`` where there is none."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
 def _stand_in(output: torch.Tensor) -> torch.Tensor:
-    """A loss over one output tensor that keeps as much for backward as a training loss does."""
+    """A loss over one output tensor that keeps at least as much for backward as the usual
+    per-row training losses on it: a cross-entropy over its last dimension (which keeps the
+    log-probabilities, as a classifier's or a language model's loss does) plus a squared error
+    against a target as large as the output (which a regression loss holds, and a loss made
+    in the step allocates)."""
     if output.is_complex():
         output = output.abs()
     if output.dim() < 2:
         return output.float().mean()
     scores = output.flatten(0, -2).float()
     targets = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
-    return torch.nn.functional.cross_entropy(scores, targets)
+    # (the squared error written out: its backward holds the difference and its own
+    # temporaries, more than the fused mse_loss's)
+    squared = (scores - torch.zeros_like(scores)).pow(2).mean()
+    return torch.nn.functional.cross_entropy(scores, targets) + squared
 
 
 def language_model_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,6 +202,7 @@ class TrainingStep:
         self.model, self.optimizer = model, optimizer
         self.loss_fn, self.step_fn, self.train, self.scaler = loss_fn, step_fn, train, scaler
         self.loss: Any = None
+        self.stood_in = False  # the loss was the stand-in (no loss_fn, no loss of the model's)
 
     def forget(self) -> None:
         """Let the last step's loss go (before a trial, and after the last)."""
@@ -207,6 +223,8 @@ class TrainingStep:
             model.zero_grad(set_to_none=True)
         output, target = call_model(model, batch)
         self.loss = loss = loss_of(output, target, self.loss_fn)
+        if self.loss_fn is None and not self.stood_in:
+            self.stood_in = own_loss(output) is None
         del output
         if scaler is not None:
             scaler.scale(loss).backward()

@@ -582,3 +582,22 @@ def test_torchrun_fsdp2_example_finds_and_trains_in_step_on_every_rank() -> None
     ))
     assert sorted(found) == ["0", "1"], run.stdout
     assert found["0"] == found["1"]
+
+
+def test_a_backup_whose_storage_was_freed_since_is_not_written_back() -> None:
+    """FSDP2 frees an unsharded parameter's storage after use (``resize_(0)``): putting back
+    a copy taken before would write past the end of the storage (a crash, as a rank undoing
+    its batch after another rank's OOM hit it). Such a tensor is skipped; the others are
+    put back."""
+    from autobatch._recovery._backups import Backups
+
+    freed, kept = torch.arange(6.0), torch.arange(4.0)
+    backups = Backups()
+    backups.take(freed)
+    backups.take(kept)
+    freed.add_(1)
+    kept.add_(1)
+    freed.untyped_storage().resize_(0)
+    backups.put_back()
+    assert torch.equal(kept, torch.arange(4.0))
+    assert freed.untyped_storage().nbytes() == 0

@@ -26,6 +26,16 @@ def _view(tensor: torch.Tensor) -> _View:
     )
 
 
+def _held(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes are still in its storage (a storage resized to fewer bytes,
+    as FSDP2 does to an unsharded parameter after use, no longer holds them)."""
+    if tensor.numel() == 0:
+        return True
+    last = tensor.storage_offset() + sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+
+
 #: Backups larger than this are kept in host memory, not on the device.
 HOST_BACKUP_BYTES = 2**20
 
@@ -86,6 +96,9 @@ class Backups:
                     entry.put(entry.value)
                     continue
                 tensor, copy = entry
+                if not _held(tensor):
+                    continue  # its storage was freed since (FSDP2 frees an unsharded parameter
+                    # after use): nothing can read it before it is filled afresh
                 if copy.device != tensor.device:
                     with _disable_current_modes():  # (from host memory, uncounted)
                         tensor.copy_(copy)
