@@ -110,8 +110,9 @@ def search_batch_size(
             (a temporary one is used), or None (forward and backward only).
         loss_fn: ``loss_fn(output, target)`` for ``(inputs, target)`` samples, ``loss_fn(output)``
             otherwise. Default: a scalar output, ``output.loss`` / ``output["loss"]`` (a Hugging
-            Face model given ``labels``), else a stand-in that keeps as much for backward as a
-            training loss: a cross-entropy over the last dimension of each floating-point output.
+            Face model given ``labels``), else a stand-in that keeps what the usual training
+            losses keep: a cross-entropy over the last dimension of each floating-point output
+            plus a squared error (``notes`` says it was used).
         step_fn: ``step_fn(model, batch)``: your whole step (AMP and GradScaler, clipping, several
             forwards), run instead of the default one.
         train: False searches the inference batch: forward only under ``torch.inference_mode()``.
@@ -270,8 +271,8 @@ def _measured_search(
         if work.step.stood_in:
             notes.append(
                 "no loss_fn, and the model computes no loss of its own: sized with a stand-in "
-                "loss (a cross-entropy over each output's last dimension plus a squared error), "
-                "an upper bound of the usual per-row losses; pass loss_fn= to size your own"
+                "loss (a cross-entropy over each output's last dimension plus a squared error, "
+                "which keeps what the usual per-row losses keep); pass loss_fn= to size your own"
             )
         # The recommended size is proven by a trial of its own (one more, below the largest).
         recommended = recommend(

@@ -99,9 +99,9 @@ def _workload(parser: argparse.ArgumentParser) -> None:
                             "cross-entropy); or none (default)")
     group.add_argument("--loss", default="auto", metavar="auto|cross_entropy|mse|PKG.MODULE:FN",
                        help="loss_fn(output, target): default cross-entropy with class labels, "
-                            "else a scalar output, output.loss, or a stand-in that costs as "
-                            "much as a training loss (cross-entropy over each output's last "
-                            "dimension)")
+                            "else a scalar output, output.loss, or a stand-in that keeps what "
+                            "the usual training losses keep (cross-entropy over each output's "
+                            "last dimension plus a squared error)")
     group.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZERS),
                        help="optimizer whose state is counted (default adamw; sgd has "
                             "momentum 0.9; none: forward and backward only)")
