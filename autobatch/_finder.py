@@ -209,7 +209,7 @@ def _measured_search(
                 model, sample, optimizer if spec.train else None, budget,
                 loss_fn=spec.loss_fn, step_fn=spec.step_fn, train=spec.train,
                 min_batch=spec.min_batch, max_batch=spec.max_batch, multiple_of=spec.multiple_of,
-                device_type=target.type,
+                device=target.type,
             )
         except AutobatchError as error:  # cannot plan, or nothing fits: real trials decide
             notes.append(f"plan skipped: {str(error).splitlines()[0]}")

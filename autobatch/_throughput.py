@@ -25,6 +25,7 @@ from autobatch._result import SearchResult, ThroughputPoint, ThroughputResult
 from autobatch._trial import attempt, prepared
 from autobatch._validate import check_fraction, check_int, check_module
 from autobatch._workload import (
+    DEFAULT_HEADROOM,
     Batch,
     LossFn,
     OptimizerLike,
@@ -126,6 +127,9 @@ def find_best_batch(
     step_fn: StepFn | None = None,
     train: bool = True,
     device: DeviceLike = None,
+    min_batch: int = 1,
+    multiple_of: int = 1,
+    headroom: float = DEFAULT_HEADROOM,
     **search_options: Any,
 ) -> ThroughputResult:
     """The batch size with the best training throughput: the smallest within ``tolerance`` of
@@ -146,15 +150,17 @@ def find_best_batch(
     Args:
         model, sample, optimizer, loss_fn, step_fn, train, device: As for
             :func:`~autobatch.find_max_batch`.
+        min_batch, multiple_of: The sizes allowed, in the search and the default candidates.
+        headroom: As for :func:`~autobatch.find_max_batch`: the search's recommended size is
+            the default ``max_batch``.
         max_batch: The largest size to consider. Default: the recommended size of a
             :func:`~autobatch.search_batch_size` run first (with ``search_options``).
         candidates: The sizes to time. Default: powers of two up to the maximum, and the maximum.
         tolerance: The chosen size is the smallest whose samples/second is at least ``1 -
             tolerance`` of the best.
         repeats, warmup: Timed steps per size (their median counts) and untimed steps before them.
-        search_options: Passed to :func:`~autobatch.search_batch_size` (``headroom``, ``min_batch``,
-            ``multiple_of``, ``scaler``, ...); ``min_batch`` and ``multiple_of`` also shape the
-            default candidates, and ``scaler`` is used by the timed steps.
+        search_options: Passed to :func:`~autobatch.search_batch_size` (``scaler``,
+            ``steps_per_trial``, ...); ``scaler`` is used by the timed steps too.
 
     Raises:
         BatchSizeError: No candidate size could run (all ran out of memory).
@@ -172,16 +178,13 @@ def find_best_batch(
         if max_batch is None:
             search = search_batch_size(
                 model, sample, optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train,
-                device=device, **search_options,
+                device=device, min_batch=min_batch, multiple_of=multiple_of, headroom=headroom,
+                **search_options,
             )
             max_batch = search.batch_size
         elif isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
-        sizes = default_candidates(
-            max_batch,
-            min_batch=search_options.get("min_batch", 1),
-            multiple_of=search_options.get("multiple_of", 1),
-        )
+        sizes = default_candidates(max_batch, min_batch=min_batch, multiple_of=multiple_of)
     target = model_device(model, device)
     memory = memory_for(target)
     points: list[ThroughputPoint] = []

@@ -40,7 +40,7 @@ def test_planned_peak_is_the_simulated_peak(name: str) -> None:
     for n in (1, 7, 64):
         plan = plan_max_batch(
             model, sample, torch.optim.Adam, loss_fn=CE, capacity="4GiB", min_batch=n,
-            max_batch=n, device_type="cpu",
+            max_batch=n, device="cpu",
         )
         real = _simulated(model, sample, "4GiB", optimizer=torch.optim.Adam, loss_fn=CE,
                           min_batch=n, max_batch=n)
@@ -57,7 +57,7 @@ def test_planned_max_is_the_exact_max_and_seeds_a_two_trial_search(name: str) ->
     model, sample = work.model(), work.sample(3)
     capacity = CAPACITY[name]
     plan = plan_max_batch(
-        model, sample, torch.optim.Adam, loss_fn=CE, capacity=capacity, device_type="cpu"
+        model, sample, torch.optim.Adam, loss_fn=CE, capacity=capacity, device="cpu"
     )
     exact = _simulated(model, sample, capacity, optimizer=torch.optim.Adam, loss_fn=CE)
     assert plan.max_batch_size == exact.max_batch_size
@@ -74,7 +74,7 @@ def test_planned_max_is_the_exact_max_and_seeds_a_two_trial_search(name: str) ->
 def test_inference_plan_is_the_simulated_max(name: str) -> None:
     work = WORKLOADS[name]
     model, sample = work.model(), work.sample(3)
-    plan = plan_max_batch(model, sample, capacity="16MiB", train=False, device_type="cpu")
+    plan = plan_max_batch(model, sample, capacity="16MiB", train=False, device="cpu")
     exact = _simulated(model, sample, "16MiB", train=False)
     assert plan.max_batch_size == exact.max_batch_size
     assert any("inference" in note for note in plan.notes)
@@ -102,7 +102,7 @@ def test_host_state_counts_only_when_planning_for_the_cpu() -> None:
     model = mlp()
     sample = WORKLOADS["mlp"].sample(2)
     on_cuda = plan_max_batch(model, sample, torch.optim.Adam, capacity="8MiB")
-    on_cpu = plan_max_batch(model, sample, torch.optim.Adam, capacity="8MiB", device_type="cpu")
+    on_cpu = plan_max_batch(model, sample, torch.optim.Adam, capacity="8MiB", device="cpu")
     counters = 512 * len(list(model.parameters()))  # one 0-dim "step" tensor per parameter
     assert on_cpu.breakdown.optimizer_state - on_cuda.breakdown.optimizer_state == counters
     assert on_cuda.device_type == "cuda"
@@ -257,7 +257,7 @@ def test_step_that_cannot_run_on_meta_warns_naming_module_and_operator_then_meas
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.warns(UserWarning, match="CPU copy") as caught:
         plan = plan_max_batch(model, torch.randn(4, 8), torch.optim.SGD, capacity="1MiB",
-                              headroom=0, device_type="cpu")
+                              headroom=0, device="cpu")
     (message,) = [str(w.message) for w in caught if "CPU copy" in str(w.message)]
     assert where in message
     assert f"operator {op} failed" in message
@@ -346,8 +346,8 @@ def test_invalid_options_name_the_parameter() -> None:
         plan_max_batch(model, sample, capacity="lots")
     with pytest.raises(ValueError, match=r"overhead='2GiB'.*leaves nothing"):
         plan_max_batch(model, sample, capacity="1GiB", overhead="2GiB")
-    with pytest.raises(ValueError, match="device_type"):
-        plan_max_batch(model, sample, device_type="")
+    with pytest.raises(ValueError, match="device must be"):
+        plan_max_batch(model, sample, device="")
     with pytest.raises(ValueError, match="headroom"):
         plan_max_batch(model, sample, headroom=1.5)
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
@@ -397,7 +397,7 @@ def test_hugging_face_models_with_an_attention_mask_are_planned_within_two_perce
     model = gpt2() if kind == "gpt2" else bert()
     sample = _hf_sample(kind)
     with pytest.warns(UserWarning, match=r"Tensor.item\(\).*small real steps on a CPU copy"):
-        plan = plan_max_batch(model, sample, torch.optim.AdamW, "32MiB", device_type="cpu",
+        plan = plan_max_batch(model, sample, torch.optim.AdamW, "32MiB", device="cpu",
                               headroom=0)
     assert plan.method == "steps"
     assert any("real steps on a CPU copy" in note for note in plan.notes)
@@ -415,7 +415,7 @@ def test_gpt2_without_a_mask_is_planned_on_meta_within_two_percent() -> None:
     model = gpt2()
     ids = torch.randint(0, 1000, (2, 32))
     plan = plan_max_batch(model, {"input_ids": ids, "labels": ids}, torch.optim.AdamW, "32MiB",
-                          device_type="cpu", headroom=0)
+                          device="cpu", headroom=0)
     assert plan.method == "meta"
     found = _simulated(model, {"input_ids": ids, "labels": ids}, "32MiB",
                        optimizer=torch.optim.AdamW)
@@ -435,7 +435,7 @@ def test_recurrent_layers_are_planned_within_two_percent_and_never_above(
     model = RecurrentClassifier(kind, layers, batch_first, inputs=8, hidden=32, classes=4)
     sample = (torch.randn(2, 8, 8), torch.randint(0, 4, (2,)))
     plan = plan_max_batch(model, sample, torch.optim.AdamW, "2MiB", loss_fn=CE,
-                          device_type="cpu", headroom=0)
+                          device="cpu", headroom=0)
     assert plan.method == "steps"
     assert any(f"recurrent layers ({kind})" in note for note in plan.notes)
     found = _simulated(model, sample, "2MiB", optimizer=torch.optim.AdamW, loss_fn=CE)
@@ -469,9 +469,9 @@ def test_a_compiled_model_is_planned_eagerly_and_stays_compiled() -> None:
     x, y = WORKLOADS["mlp"].sample(4)
     compiled(x)
     plan = plan_max_batch(compiled, (x, y), torch.optim.AdamW, "4MiB", loss_fn=CE,
-                          device_type="cpu")
+                          device="cpu")
     eager = plan_max_batch(model, (x, y), torch.optim.AdamW, "4MiB", loss_fn=CE,
-                           device_type="cpu")
+                           device="cpu")
     assert plan.max_batch_size == eager.max_batch_size
     assert any("compiled model planned eagerly" in note for note in plan.notes)
     assert _still_compiled(compiled, backend, x)
@@ -544,7 +544,7 @@ def test_attention_is_planned_with_the_kernel_the_cpu_runs(case: str) -> None:
     sample = (torch.randn(2, 48, 32, dtype=dtype), torch.randint(0, 5, (2,)))
     n = 40
     plan = plan_max_batch(model, sample, torch.optim.AdamW, "1GiB", loss_fn=CE,
-                          min_batch=n, max_batch=n, device_type="cpu")
+                          min_batch=n, max_batch=n, device="cpu")
     assert plan.method == "meta"
     assert not any("math path" in note for note in plan.notes)
     real = _simulated(model, sample, "1GiB", optimizer=torch.optim.AdamW, loss_fn=CE,
@@ -562,7 +562,7 @@ def test_attention_the_planner_cannot_replay_falls_back_to_real_steps(
     model, sample = _Attention(), (torch.randn(2, 48, 32), torch.randint(0, 5, (2,)))
     with pytest.warns(UserWarning, match="fused attention with operators the planner does not"):
         plan = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE,
-                              device_type="cpu", headroom=0)
+                              device="cpu", headroom=0)
     assert plan.method == "steps"
     found = _simulated(model, sample, "16MiB", optimizer=torch.optim.AdamW, loss_fn=CE)
     _within_two_percent(plan.max_batch_size, found.max_batch_size)
@@ -573,7 +573,7 @@ def test_attention_planned_for_a_gpu_keeps_the_math_path_and_says_so() -> None:
     plan = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE)
     assert any("math path" in note and "upper bound" in note for note in plan.notes)
     on_cpu = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE,
-                            device_type="cpu")
+                            device="cpu")
     assert plan.max_batch_size < on_cpu.max_batch_size  # the weights a fused kernel never holds
 
 
@@ -591,7 +591,7 @@ def test_vit_and_llama_without_a_mask_are_planned_on_meta_exactly(kind: str) -> 
         model = llama(kv_heads=1 if "grouped" in kind else 2)
         ids = torch.randint(0, 1000, (2, 64))
         sample = {"input_ids": ids, "labels": ids}
-    plan = plan_max_batch(model, sample, torch.optim.AdamW, "64MiB", device_type="cpu",
+    plan = plan_max_batch(model, sample, torch.optim.AdamW, "64MiB", device="cpu",
                           headroom=0)
     assert plan.method == "meta"
     found = _simulated(model, sample, "64MiB", optimizer=torch.optim.AdamW)

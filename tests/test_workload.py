@@ -168,7 +168,7 @@ def test_a_function_returning_rows_is_collated_too() -> None:
 def test_the_planner_takes_rows_as_their_batch() -> None:
     rows = [(torch.randn(3, 16, 16), i % 10) for i in range(4)]
     plans = [plan_max_batch(_Conv(), sample, torch.optim.Adam, "3MiB", loss_fn=CE, headroom=0,
-                            max_batch=4096, device_type="cpu")
+                            max_batch=4096, device="cpu")
              for sample in (rows, default_collate(rows))]
     assert plans[0].max_batch_size == plans[1].max_batch_size > 1
 

@@ -80,7 +80,7 @@ def plan_max_batch(
     headroom: float = DEFAULT_HEADROOM,
     overhead: int | float | str = 0,
     block_bytes: int = CUDA_BLOCK_BYTES,
-    device_type: str = "cuda",
+    device: str | torch.device = "cuda",
 ) -> Plan:
     """Predict the largest batch that fits a device of ``capacity`` bytes, without that device.
 
@@ -126,7 +126,8 @@ def plan_max_batch(
             and not in ``torch.cuda.memory_allocated``; cuBLAS/cuDNN workspaces; other processes):
             the peak may use ``capacity - overhead``.
         block_bytes: The allocator's rounding: 512 as the CUDA caching allocator, 1 for raw bytes.
-        device_type: The kind of device planned for. Tensors the step keeps on the host (Adam's
+        device: The device planned for (``"cuda"``, ``"cuda:1"``, a ``torch.device``; only its
+            type counts: no such device is needed). Tensors the step keeps on the host (Adam's
             ``step`` counters) count only when it is ``"cpu"``, and optimizers left to choose run
             the implementation torch picks there (``foreach`` on ``"cuda"``); ``"cpu"`` plans what
             :class:`~autobatch.testing.SimulatedGPU` measures with ``allocator="exact"``.
@@ -145,8 +146,11 @@ def plan_max_batch(
     spec = SearchSpec(loss_fn, step_fn, train, min_batch, max_batch, multiple_of, headroom, 1, None)
     check_module("model", model)
     sample = collated(sample, on_host=True)  # a list of per-row examples: one batch
-    if not isinstance(device_type, str) or not device_type:
-        raise ValueError(f"device_type must be a device type such as 'cuda', got {device_type!r}")
+    try:
+        device_type = torch.device(device).type
+    except (TypeError, RuntimeError):
+        raise ValueError(
+            f"device must be a device such as 'cuda' or 'cuda:1', got {device!r}") from None
     capacity_bytes = parse_bytes(capacity)
     overhead_bytes = _byte_option(overhead, "overhead")
     budget = capacity_bytes - overhead_bytes
