@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -365,14 +366,25 @@ def _running_peak(
     return peak
 
 
-def _curve(
-    trials: list[tuple[int, int, list[tuple[int, int, int]], int]], block: int
-) -> Callable[[int], int] | None:
-    """The peak at any size from two trials' storage events (``(size, base, events, peak)``,
-    alike but for sizes): each storage's bytes are a line through its two sizes (``None`` when
-    one is not), every storage is rounded up to ``block``, and the peak is the highest the
-    running total reaches. ``None`` unless it gives both trials' measured peaks exactly."""
-    (n1, base1, events1, peak1), (n2, base2, events2, peak2) = trials[-2:]
+@dataclass(frozen=True)
+class StorageTrial:
+    """The storages of one fitting trial: its size, the bytes allocated as its step began,
+    its storage events in order (``(segment, serial, bytes)``, negative bytes: freed), and
+    its measured peak."""
+
+    size: int
+    base: int
+    events: list[tuple[int, int, int]]
+    peak: int
+
+
+def _curve(first: StorageTrial, second: StorageTrial, block: int) -> Callable[[int], int] | None:
+    """The peak at any size from two trials' storage events (alike but for sizes): each
+    storage's bytes are a line through its two sizes (``None`` when one is not), every
+    storage is rounded up to ``block``, and the peak is the highest the running total
+    reaches. ``None`` unless it gives both trials' measured peaks exactly."""
+    n1, base1, events1, peak1 = first.size, first.base, first.events, first.peak
+    n2, base2, events2, peak2 = second.size, second.base, second.events, second.peak
     if base1 != base2:
         return None
     lines = _lines((n1, events1), (n2, events2))
@@ -385,18 +397,17 @@ def _curve(
 
 
 def _replayed_curve(
-    first: tuple[int, int, list[tuple[int, int, int]], int],
-    second: tuple[int, int, list[tuple[int, int, int]], int],
-    model: AllocationModel,
+    first: StorageTrial, second: StorageTrial, model: AllocationModel
 ) -> Verdicts | None:
-    """Which sizes fit, and their peaks, from two trials' storage events (``(size, base,
-    events, peak)``, alike but for sizes) replayed through a copy of the caching allocator as
+    """Which sizes fit, and their peaks, from two trials' storage events (alike but for
+    sizes) replayed through a copy of the caching allocator as
     it was when both began (``model``): each storage's bytes are a line in the size, and the
     copy places them as the device does, segments and block pools included. Its ceiling is
     the largest size whose storages, packed without a gap, stay within the allocator's limit:
     no larger size can fit. ``None`` unless the replay gives both trials' measured peaks
     exactly."""
-    (n1, base, events1, peak1), (n2, _, events2, peak2) = first, second
+    n1, base, events1, peak1 = first.size, first.base, first.events, first.peak
+    n2, events2, peak2 = second.size, second.events, second.peak
     lines = _lines((n1, events1), (n2, events2))
     if lines is None:
         return None

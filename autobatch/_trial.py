@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from autobatch._backends import AllocationModel, DeviceMemory, free_memory
 from autobatch._batch import tensors
 from autobatch._log import get_logger, user_stacklevel
-from autobatch._measure import PeakKeeping, _curve, _replayed_curve, _StepPeaks
+from autobatch._measure import PeakKeeping, StorageTrial, _curve, _replayed_curve, _StepPeaks
 from autobatch._oom import failure_kind
 from autobatch._search import Trial
 from autobatch._state import Snapshot, modules_referenced
@@ -258,7 +258,7 @@ class TrialRunner:
         self.per_operator = per_operator
         self.adaptive = adaptive
         self.records: list[Trial] = []
-        self._storage_trials: list[Any] = []  # (size, base, events, peak, shape) of fits
+        self._storage_trials: list[tuple[StorageTrial, Any]] = []  # fits, with their shape
 
     def _attempt(
         self, size: int, peaks: _StepPeaks, steady: _SteadyState, watched: int
@@ -347,17 +347,17 @@ class TrialRunner:
             tuple((segment, serial, nbytes >= 0) for segment, serial, nbytes in events),
             None if model is None else tuple(model.blocks()),
         )
-        record = (size, base, events, peak)
-        earlier = [r for r in self._storage_trials if r[0] != size and r[4] == shape]
-        self._storage_trials = [*self._storage_trials[-3:], (*record, shape)]
+        record = StorageTrial(size, base, events, peak)
+        earlier = [r for r, s in self._storage_trials if r.size != size and s == shape]
+        self._storage_trials = [*self._storage_trials[-3:], (record, shape)]
         for other in reversed(earlier):
             if model is not None:
-                replayed = _replayed_curve(other[:4], record, model)
+                replayed = _replayed_curve(other, record, model)
                 if replayed is not None:
                     return replayed
                 continue
             for block in (512, 1):
-                curve = _curve([other[:4], record], block)
+                curve = _curve(other, record, block)
                 if curve is not None:
                     return curve
         return None
