@@ -478,7 +478,7 @@ def find_max_batch(*args: Any, **kwargs: Any) -> int:
     >>> import torch
     >>> from autobatch.testing import SimulatedGPU
     >>> model = torch.nn.Linear(256, 10)
-    >>> with SimulatedGPU("4MiB"):
+    >>> with SimulatedGPU("4MiB", adopt=[model]):
     ...     n = find_max_batch(model, torch.randn(1, 256), torch.optim.SGD, headroom=0)
     >>> n > 100
     True

@@ -40,7 +40,7 @@ def plot(
     >>> import torch, autobatch
     >>> from autobatch.testing import SimulatedGPU
     >>> model = torch.nn.Linear(256, 10)
-    >>> with SimulatedGPU("4MiB"):
+    >>> with SimulatedGPU("4MiB", adopt=[model]):
     ...     result = autobatch.search_batch_size(model, torch.randn(1, 256), torch.optim.SGD)
     >>> figure = autobatch.plot(result)  # the figure only (matplotlib's)
     >>> figure = autobatch.plot(result, "search.png")  # doctest: +SKIP

@@ -142,7 +142,7 @@ def find_best_batch(
     >>> import torch
     >>> from autobatch.testing import SimulatedGPU
     >>> model = torch.nn.Linear(64, 10)
-    >>> with SimulatedGPU("2MiB"):
+    >>> with SimulatedGPU("2MiB", adopt=[model]):
     ...     best = find_best_batch(model, torch.randn(1, 64), torch.optim.SGD, repeats=2)
     >>> best.batch_size <= best.max_batch_size
     True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,13 @@ def test_the_readme_and_every_docs_page_have_examples() -> None:
 def test_example_runs(
     name: str, code: str, prints: str | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Each example runs and prints no ``False``; where the page says what it prints ("It
+    """Each example runs, prints no ``False`` and sets off no warning pointing at its own lines
+    (autobatch's warnings name the user's line); where the page says what it prints ("It
     prints `...`" after the block), that is its last line."""
-    exec(compile(code, name, "exec"), {"__name__": "docs"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(code, name, "exec"), {"__name__": "docs"})
+    assert [str(w.message) for w in caught if w.filename == name] == []
     out = capsys.readouterr().out
     assert "False" not in out
     if prints is not None:
@@ -96,3 +101,32 @@ def test_relative_links_point_to_files_and_headings(page: Path) -> None:
         elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
             broken.append(f"{target}: no such heading")
     assert not broken, f"{_name(page)}: {broken}"
+
+
+def test_every_docstring_example_runs_and_sets_off_no_warning() -> None:
+    """The examples in the package's docstrings pass, and none sets off a warning pointing at
+    its own lines (a model the simulator does not count, a size too large, ...)."""
+    import doctest
+    import importlib
+    import pkgutil
+
+    import autobatch
+
+    attempted, failed, warned = 0, [], []
+    for info in pkgutil.walk_packages(autobatch.__path__, "autobatch."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        attempted += result.attempted
+        if result.failed:
+            failed.append(info.name)
+        warned += [  # (pointing at an example's line, or at doctest's, which runs it)
+            f"{info.name}: {w.message}" for w in caught
+            if w.filename.startswith("<doctest") or w.filename.endswith("doctest.py")
+        ]
+    assert attempted > 100
+    assert failed == []
+    assert warned == []

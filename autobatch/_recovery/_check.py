@@ -200,9 +200,13 @@ def check_split(
     total = batch_size(batch)
     if total < 2:
         raise ValueError(f"check_split needs a batch of at least 2 rows to split, got {total}")
-    decorate = functools.partial(
-        retry_on_oom, optimizer=optimizer, model=model, scheduler=scheduler, **options
-    )
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        decorated = retry_on_oom(optimizer=optimizer, model=model, scheduler=scheduler,
+                                 **options)(fn)
+        decorated._engine.warned.add("statistics")  # (reported as a caveat instead)
+        return decorated
+
     given = RecoveryOptions(optimizer=optimizer, model=model, scheduler=scheduler,
                             **{k: v for k, v in options.items() if k != "policy"},
                             policy=options.get("policy", "accumulate"))
