@@ -284,6 +284,37 @@ def trusted_curve(
     return curve
 
 
+#: How far a replay's peaks may be from the measured ones and still guide the search.
+REPLAY_TOLERANCE = 0.01
+
+
+def agreeing_replay(trials: Sequence[Trial]) -> Verdicts | None:
+    """The latest caching allocator's replay (a :class:`Verdicts` curve) that says of every
+    trial what it measured, fitting or not, with every fitting trial's peak within
+    :data:`REPLAY_TOLERANCE` of the measured one; else ``None``. Not exact (a storage that is
+    not quite a line in the size, an LSTM's workspace, is off by a few blocks), so not
+    :func:`trusted_curve`; but where it says sizes stop fitting it is the best guide there is,
+    and every size it proposes is still tried.
+    """
+    curve = next((t.curve for t in reversed(trials) if t.curve is not None), None)
+    if not isinstance(curve, Verdicts):
+        return None
+    try:
+        for trial in trials:
+            if trial.error is not None and "size_limit" in trial.error:
+                continue  # not a matter of memory: the curve cannot say
+            peak = curve.peak_at(trial.size)
+            if (peak is not None) != trial.fits:
+                return None
+            if peak is not None and trial.peak_bytes is not None and (
+                abs(peak - trial.peak_bytes) > REPLAY_TOLERANCE * trial.peak_bytes
+            ):
+                return None
+    except (ArithmeticError, ValueError):
+        return None
+    return curve
+
+
 def _largest_within(
     curve: Callable[[int], int], capacity: int, low: int, high: int, step: int
 ) -> int:

@@ -19,6 +19,7 @@ from autobatch._search._model import (
     _Fit,
     _fit,
     _largest_within,
+    agreeing_replay,
     binding_points,
     trusted_curve,
 )
@@ -234,7 +235,7 @@ class ModelGuided:
             if state.prior is not None:
                 return state.prior.largest_within(capacity)
             return self.first_size
-        curve = trusted_curve(state.trials, capacity)
+        curve = trusted_curve(state.trials, capacity) or agreeing_replay(state.trials)
         if curve is not None:
             try:
                 return self._curve_size(state, curve, capacity)
