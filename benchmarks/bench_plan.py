@@ -6,7 +6,7 @@ Four tables:
    the planned peak of one training step at several batch sizes next to the peak the simulated GPU
    measures for the same real CPU step (``search_batch_size`` at that one size), and the planned
    largest batch for a capacity next to the exact largest the simulator finds with real steps.
-   The plan is made with ``device_type="cpu"``, which counts what the simulator counts.
+   The plan is made with ``device="cpu"``, which counts what the simulator counts.
 1b. Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: 1 and 2 layers, batch_first both
    ways) and Hugging Face GPT-2, BERT, ViT and Llama built from small configs (random weights),
    with and without an attention mask: the planned largest batch next to the simulator's exact
@@ -69,7 +69,7 @@ def simulated_peak(model: nn.Module, sample: Any, n: int) -> int:
 
 
 def accuracy() -> bool:
-    print("## 1. Planned vs simulated (device_type='cpu', Adam, cross-entropy)\n")
+    print("## 1. Planned vs simulated (device='cpu', Adam, cross-entropy)\n")
     print("| model | n | planned peak | simulated peak | error % | capacity | planned max "
           "| exact max | plan s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -80,13 +80,13 @@ def accuracy() -> bool:
         model, sample = work.model(), work.sample(4)
         started = time.perf_counter()
         plan = plan_max_batch(model, sample, torch.optim.Adam, CAPACITY[name],
-                              loss_fn=F.cross_entropy, device_type="cpu")
+                              loss_fn=F.cross_entropy, device="cpu")
         seconds = time.perf_counter() - started
         exact = simulated(model, sample, CAPACITY[name]).max_batch_size
         ok &= plan.max_batch_size == exact
         for n in (*SIZES, exact):
             planned = plan_max_batch(model, sample, torch.optim.Adam, "1TiB", min_batch=n,
-                                     max_batch=n, loss_fn=F.cross_entropy, device_type="cpu")
+                                     max_batch=n, loss_fn=F.cross_entropy, device="cpu")
             peak = dict(planned.points)[n]
             real = simulated_peak(model, sample, n)
             error = (peak - real) / real
@@ -141,7 +141,7 @@ def _hugging_face(kind: str) -> tuple[nn.Module, Any]:
 
 
 def recurrent_and_hugging_face() -> bool:
-    print("## 1b. Recurrent layers and Hugging Face models (device_type='cpu', AdamW)\n")
+    print("## 1b. Recurrent layers and Hugging Face models (device='cpu', AdamW)\n")
     print("Recurrent layers keep workspaces a meta run does not see, and transformers reads an "
           "attention mask with `.item()`, which no meta run can answer: both are planned from "
           "small real steps on a CPU copy (`method` steps), measured up to the answer when the "
@@ -173,7 +173,7 @@ def recurrent_and_hugging_face() -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fallback's warning; the method column says it
             plan = plan_max_batch(model, sample, torch.optim.AdamW, capacity, loss_fn=loss,
-                                  device_type="cpu", headroom=0)
+                                  device="cpu", headroom=0)
         seconds = time.perf_counter() - started
         with SimulatedGPU(capacity) as gpu:
             gpu.adopt(model)
@@ -201,7 +201,7 @@ def speed() -> bool:
           f"(goal <= {GOAL_SECONDS:g} s), {len(plan.points)} planned steps\n")
     print("```\n" + repr(plan) + "\n```\n")
     at_two = plan_max_batch(model, sample, torch.optim.Adam, "1TiB", min_batch=2, max_batch=2,
-                            loss_fn=F.cross_entropy, device_type="cpu")
+                            loss_fn=F.cross_entropy, device="cpu")
     started = time.perf_counter()
     real = simulated_peak(model, sample, 2)
     real_seconds = time.perf_counter() - started
@@ -225,7 +225,7 @@ def seeded(targets: dict[str, tuple[int, ...]]) -> bool:
             model, optimizer = setup.copy()
             started = time.perf_counter()
             plan = plan_max_batch(model, (setup.inputs, setup.labels), optimizer, capacity,
-                                  loss_fn=F.cross_entropy, device_type="cpu")
+                                  loss_fn=F.cross_entropy, device="cpu")
             seconds = time.perf_counter() - started
             runs = {}
             for label, options in (

@@ -242,7 +242,7 @@ def check_planner(device: torch.device, dry_run: bool, workloads: Workloads) -> 
         for n in (8, 64):
             plan = autobatch.plan_max_batch(
                 model, sample(1), opt, capacity="1TiB", loss_fn=CE,
-                min_batch=n, max_batch=n, device_type=device.type,
+                min_batch=n, max_batch=n, device=device,
             )
             planned = max(peak for size, peak in plan.points if size == n)
             x, y = (t.to(device) for t in sample(n))

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 examples/train_fsdp2_torchrun.py
 
 ``find_max_batch`` runs its trials in lockstep on every rank and returns the largest batch that
-fits on the tightest one. Training then goes through batches twice that size: when a rank runs
+fits on the tightest one. Training then goes through batches half as large again: when a rank runs
 out of memory, every rank stops at its next FSDP collective, the batch is redone in the same
 micro-batches on every rank (only the last reduces the gradients), and all ranks step together.
 Without a GPU each rank simulates one; rank 1 gets less memory, so only rank 1 runs out.
@@ -54,14 +54,15 @@ def main() -> None:
             gpu.adopt(model, optimizer)
         size = autobatch.find_max_batch(model, sample, optimizer, loss_fn=loss_fn, max_batch=4096)
         torch.manual_seed(rank)  # each rank its own data, as a DistributedSampler gives
-        loader = [sample(2 * size) for _ in range(4)]
+        rows = size + size // 2  # (more than the tightest rank fits whole)
+        loader = [sample(rows) for _ in range(4)]
         with autobatch.oom_guard(loader) as guard:
             for batch in guard:
                 train_step(batch)
     # (each rank holds a shard of every parameter; full_tensor() gathers the whole of it)
     checksum = sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
     stats = train_step.stats
-    print(f"rank {rank}: batch size {size}; {stats.batches} steps of {2 * size}, {stats.ooms} "
+    print(f"rank {rank}: batch size {size}; {stats.batches} steps of {rows}, {stats.ooms} "
           f"OOM, micro-batch {stats.micro_batch_size}; parameter checksum {checksum:.10f}",
           flush=True)
     dist.barrier()

@@ -10,6 +10,7 @@ optimizer's first step, and on the fast path.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -267,11 +268,13 @@ def test_6_batchnorm_statistics_keep_only_the_micro_batches_that_counted() -> No
         _loss(model, batch).backward()
         opt.step()
 
-    with pytest.warns(UserWarning, match="BatchNorm"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (reported as a caveat, not also as a warning)
         report = check_split(step, _data(16), optimizer=opt, model=model)
     assert report.replayed, report  # (the replay; BatchNorm itself depends on the cut)
     assert not report
     assert "BatchNorm" in " ".join(report.notes)
+    assert "BatchNorm" in " ".join(report.caveats)
 
 
 # 7 -------------------------------------------------------------------------------------------
