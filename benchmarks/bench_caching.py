@@ -68,7 +68,7 @@ from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import RecurrentClassifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _peers import PEERS, Peer  # sibling modules of this script
+from _peers import Peer  # sibling modules of this script
 from bench_search import (
     CAPACITIES,
     SAMPLE_ROWS,
@@ -77,6 +77,7 @@ from bench_search import (
     Runner,
     Setup,
     Truth,
+    load_peers,
     make_setup,
     peer_search,
     run_tool,
@@ -618,23 +619,6 @@ def header(argv: list[str], peers: list[Peer], missing: list[str]) -> str:
             lines.append(f"- {peer.label}: {peer.note}")
     lines += [f"- not run: {reason}" for reason in missing]
     return "\n".join(lines) + "\n"
-
-
-def load_peers() -> tuple[list[Peer], list[str]]:
-    peers: list[Peer] = []
-    missing: list[str] = []
-    for peer in PEERS:
-        reason = peer.missing()
-        if reason is None:
-            try:
-                peer.load()
-            except Exception as error:  # installed but broken: say why, run the rest
-                reason = f"{peer.label}: import failed ({type(error).__name__}: {error})"
-        if reason is None:
-            peers.append(peer)
-        elif reason not in missing:
-            missing.append(reason)
-    return peers, missing
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -775,6 +775,24 @@ def header(peers: list[Peer], missing: list[str], allocator: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_peers() -> tuple[list[Peer], list[str]]:
+    """The peers that can run here, and why the others cannot (not installed, or broken)."""
+    peers: list[Peer] = []
+    missing: list[str] = []
+    for peer in PEERS:
+        reason = peer.missing()
+        if reason is None:
+            try:
+                peer.load()
+            except Exception as error:  # installed but broken: say why, run the rest
+                reason = f"{peer.label}: import failed ({type(error).__name__}: {error})"
+        if reason is None:
+            peers.append(peer)
+        elif reason not in missing:
+            missing.append(reason)
+    return peers, missing
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allocator", choices=sorted(RESULTS), default="exact",
@@ -813,20 +831,7 @@ def main(argv: list[str] | None = None) -> int:
             Case(m, capacity=parse_bytes(c))
             for m in models for c in (args.capacities or capacities.get(m, CAPACITIES[m]))
         ]
-    peers: list[Peer] = []
-    missing: list[str] = []
-    if not args.no_peers:
-        for peer in PEERS:
-            reason = peer.missing()
-            if reason is None:
-                try:
-                    peer.load()
-                except Exception as error:  # installed but broken: say why, run the rest
-                    reason = f"{peer.label}: import failed ({type(error).__name__}: {error})"
-            if reason is None:
-                peers.append(peer)
-            elif reason not in missing:
-                missing.append(reason)
+    peers, missing = ([], []) if args.no_peers else load_peers()
     # Several peers call gc.collect() on every trial; with torch and Lightning loaded each call
     # walks every object ever imported. Freezing those makes the calls cheap (time only: what
     # is collected, and so every result, is the same).
