@@ -252,11 +252,21 @@ class Verdicts:
         return OUT_OF_MEMORY if peak is None else peak
 
 
+#: How far a caching allocator's replay may put the measured peaks and still guide the search
+#: (``trusted_curve(..., tolerance=REPLAY_TOLERANCE)``).
+REPLAY_TOLERANCE = 0.01
+
+
 def trusted_curve(
-    trials: Sequence[Trial], capacity_bytes: int | None
+    trials: Sequence[Trial], capacity_bytes: int | None, *, tolerance: float = 0.0
 ) -> Callable[[int], int] | None:
     """The latest curve a probe reported (see :class:`Trial`), if it gives every fitting
     trial's peak exactly and puts every failed size above ``capacity_bytes``; else ``None``.
+
+    With a ``tolerance`` (a share of each peak), a caching allocator's replay (a
+    :class:`Verdicts` curve only) whose peaks are that close is taken too: not exact (a storage
+    that is not quite a line in the size, an LSTM's, is off by a few blocks), but where it says
+    sizes stop fitting it is the best guide there is, and every size it proposes is still tried.
 
     >>> line = lambda n: 1000 + 512 * n
     >>> trials = [Trial(2, True, line(2)), Trial(8, True, line(8), curve=line)]
@@ -266,48 +276,19 @@ def trusted_curve(
     if capacity_bytes is None:
         return None
     curve = next((t.curve for t in reversed(trials) if t.curve is not None), None)
-    if curve is None:
+    if curve is None or (tolerance and not isinstance(curve, Verdicts)):
         return None
     try:
         for trial in trials:
-            if trial.fits and trial.peak_bytes is not None and curve(trial.size) != trial.peak_bytes:
+            if trial.fits and trial.peak_bytes is not None and (
+                abs(curve(trial.size) - trial.peak_bytes) > tolerance * trial.peak_bytes
+            ):
                 return None
             if not trial.fits and trial.error is not None and "size_limit" in trial.error:
                 continue  # not a matter of memory: the curve cannot say
             if not trial.fits and (
                 curve.peak_at(trial.size) is not None if isinstance(curve, Verdicts)
                 else curve(trial.size) <= capacity_bytes
-            ):
-                return None
-    except (ArithmeticError, ValueError):
-        return None
-    return curve
-
-
-#: How far a replay's peaks may be from the measured ones and still guide the search.
-REPLAY_TOLERANCE = 0.01
-
-
-def agreeing_replay(trials: Sequence[Trial]) -> Verdicts | None:
-    """The latest caching allocator's replay (a :class:`Verdicts` curve) that says of every
-    trial what it measured, fitting or not, with every fitting trial's peak within
-    :data:`REPLAY_TOLERANCE` of the measured one; else ``None``. Not exact (a storage that is
-    not quite a line in the size, an LSTM's workspace, is off by a few blocks), so not
-    :func:`trusted_curve`; but where it says sizes stop fitting it is the best guide there is,
-    and every size it proposes is still tried.
-    """
-    curve = next((t.curve for t in reversed(trials) if t.curve is not None), None)
-    if not isinstance(curve, Verdicts):
-        return None
-    try:
-        for trial in trials:
-            if trial.error is not None and "size_limit" in trial.error:
-                continue  # not a matter of memory: the curve cannot say
-            peak = curve.peak_at(trial.size)
-            if (peak is not None) != trial.fits:
-                return None
-            if peak is not None and trial.peak_bytes is not None and (
-                abs(peak - trial.peak_bytes) > REPLAY_TOLERANCE * trial.peak_bytes
             ):
                 return None
     except (ArithmeticError, ValueError):

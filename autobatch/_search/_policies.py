@@ -11,6 +11,7 @@ from typing import Protocol
 from autobatch._search._model import (
     _SHARP_SPREAD,
     OUT_OF_MEMORY,
+    REPLAY_TOLERANCE,
     UNBOUNDED_MAX_SIZE,
     LinearModel,
     Trial,
@@ -19,7 +20,6 @@ from autobatch._search._model import (
     _Fit,
     _fit,
     _largest_within,
-    agreeing_replay,
     binding_points,
     trusted_curve,
 )
@@ -235,7 +235,8 @@ class ModelGuided:
             if state.prior is not None:
                 return state.prior.largest_within(capacity)
             return self.first_size
-        curve = trusted_curve(state.trials, capacity) or agreeing_replay(state.trials)
+        curve = trusted_curve(state.trials, capacity) or trusted_curve(
+            state.trials, capacity, tolerance=REPLAY_TOLERANCE)
         if curve is not None:
             try:
                 return self._curve_size(state, curve, capacity)
