@@ -36,6 +36,8 @@ class AllocationModel(Protocol):
 
     #: The bytes it may reserve in all.
     limit: int
+    #: One segment per pool that grows by pages (``expandable_segments:True``).
+    expandable_segments: bool
 
     def replay(self, events: Iterable[tuple[int, int]]) -> tuple[int, int] | None:
         """Allocate and free storages in order (``(serial, nbytes)``, ``-1`` for a death) on a

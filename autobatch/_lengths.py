@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import operator
 import random
 from collections.abc import Callable, Iterable
@@ -20,16 +21,24 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _batch, _distributed
-from autobatch._backends import memory_for, restore_rng_states, save_rng_states
+from autobatch._backends import DeviceMemory, memory_for, restore_rng_states, save_rng_states
 from autobatch._cache import cached_table, open_cache, search_key, table_key
-from autobatch._errors import AutobatchError
+from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._finder import _measured_search, search_batch_size
 from autobatch._log import get_logger
 from autobatch._progress import watching
 from autobatch._result import LengthTable, SearchResult
 from autobatch._search import LinearModel, Predicted, SearchPolicy, predict_line
+from autobatch._state import modules_referenced
+from autobatch._trial import TrialRunner, prepared
 from autobatch._validate import check_module, is_sample_factory
-from autobatch._workload import OptimizerLike, Sample, SearchSpec, model_device
+from autobatch._workload import (
+    OptimizerLike,
+    Sample,
+    SearchSpec,
+    batch_factory,
+    model_device,
+)
 
 logger = get_logger("lengths")
 
@@ -88,7 +97,10 @@ def search_batch_sizes(
     at most 2 in the length), drawn through the nearest of them; a trial at the predicted size
     and one at the size next to it prove it. With ``headroom=0`` five lengths take about
     ``2 * 5 + 3`` trials; with headroom each length has one more, proving the recommended
-    size. Afterwards the model, optimizer, RNG streams and device memory are
+    size. Under a caching allocator without expandable segments the recommended sizes then run
+    together, each length after every other, and are lowered while that runs out of memory
+    (``table.notes`` says so; batches of other lengths cut the cached blocks a length's own
+    trials never saw). Afterwards the model, optimizer, RNG streams and device memory are
     exactly as before.
 
     ``table.batch_size(length)`` is the recommended size measured at the shortest measured
@@ -128,7 +140,8 @@ def search_batch_sizes(
     Raises:
         AutobatchError: ``lengths`` is empty, holds a length below 1 or one twice, or
             ``sample_for`` is not callable (these are also ``ValueError`` and ``TypeError``).
-        BatchSizeError: Even ``min_batch`` does not fit at some length.
+        BatchSizeError: Even ``min_batch`` does not fit at some length, or the lengths
+            together run out of memory after every size was lowered 8 times.
     """
     measured = _check_lengths(lengths)
     if not callable(sample_for) or isinstance(sample_for, nn.Module):
@@ -152,6 +165,7 @@ def search_batch_sizes(
     def measure() -> LengthTable:
         results: dict[int, SearchResult] = {}
         lines: dict[int, LinearModel] = {}
+        samples: dict[int, Sample] = {}
         for length in sorted(measured, reverse=True):
             seeded = _seed(results, lines, length)
             policy: SearchPolicy | None = None
@@ -161,13 +175,12 @@ def search_batch_sizes(
                 line = given["prior"] if first else None
             else:
                 begin, line, policy = seeded[0], seeded[1], Predicted(caching=memory.caches)
-            sample = _sample_at(sample_for, length)
+            samples[length] = _sample_at(sample_for, length)
             result = _measured_search(
-                model, sample, optimizer, target, memory, spec, start=begin, prior=line,
-                plan=given["plan"] and not results, sync_ranks=sync_ranks, policy=policy,
-                on_trial=each_trial,
+                model, samples[length], optimizer, target, memory, spec, start=begin,
+                prior=line, plan=given["plan"] and not results, sync_ranks=sync_ranks,
+                policy=policy, on_trial=each_trial,
             )
-            del sample
             if seeded is not None:
                 note = f"started from batch {seeded[0]}, predicted from the lengths measured before"
                 result = dataclasses.replace(result, notes=(*result.notes, note))
@@ -176,8 +189,11 @@ def search_batch_sizes(
             learned = _line_of(result, fixed, sync=sync_ranks and _distributed.active())
             if learned is not None:
                 lines[length] = learned
+        results, notes = _proven_together(
+            model, samples, results, optimizer, target, memory, spec, sync=sync_ranks
+        )
         ordered = tuple(sorted(results))
-        table = LengthTable(ordered, tuple(results[n] for n in ordered))
+        table = LengthTable(ordered, tuple(results[n] for n in ordered), notes)
         logger.info(
             "searched %d lengths in %d trials (%d out of memory)",
             len(ordered), len(table.trials), table.oom_trials,
@@ -305,3 +321,156 @@ def _known_to_fit(results: dict[int, SearchResult]) -> int:
     shorter one."""
     return results[min(results)].max_batch_size
 
+
+
+#: The most sizes :func:`_proven_together` lowers, per length, before it gives up.
+MAX_LOWERINGS = 8
+
+
+def _proven_together(
+    model: nn.Module,
+    samples: dict[int, Sample],
+    results: dict[int, SearchResult],
+    optimizer: OptimizerLike,
+    target: torch.device,
+    memory: DeviceMemory,
+    spec: SearchSpec,
+    *,
+    sync: bool,
+) -> tuple[dict[int, SearchResult], tuple[str, ...]]:
+    """The recommended sizes proven as a sampler runs them, one length after another, and
+    lowered where that runs out of memory.
+
+    Each length's size was proven by steps at that length alone. Under a caching allocator the
+    blocks a step at one length leaves cached are cut differently by a step at another, and
+    the gradients and optimizer state kept between steps land where the first steps put them:
+    a size that trains alone can run out of memory among other lengths. So the user's loop
+    runs, from the state the user has, one step at each length in turn after every other one
+    (each ordered pair of lengths once: ``k * k + 1`` steps for ``k`` lengths), once starting
+    from each length, since the first step decides where the optimizer's state lies. A length
+    that runs out is lowered by half the headroom (one grid step at least) and the run is
+    repeated, until every start runs through. Every other step is a batch closed early, as a
+    sampler's last batch of a length is (a random share of the size, one row at the least),
+    the steps at full size alternating from one start to the next.
+    Returns the results, lowered where needed, and the table's note.
+
+    This is a proof of the common case, not of every order: a long run can still meet a layout
+    of the cache that no run of ``k * k + 1`` steps showed (on a 48 MiB device, where one 20 MiB
+    segment is most of it, it does). Nothing is proven where nothing needs it:
+    ``headroom=0`` asks for the largest sizes, each exact alone; with expandable segments free
+    pages go back to the device wherever they lie, and lengths run together as they do alone
+    (0 OOMs in ``bench_longrun``); without a caching allocator, the bytes a step needs do not
+    depend on the steps before it.
+    """
+    if spec.headroom == 0 or len(results) < 2 or not (memory.has_statistics and memory.caches):
+        return results, ()
+    allocator = memory.allocation_model()
+    if allocator is not None and allocator.expandable_segments:
+        return results, ()
+    sizes = {length: result.batch_size for length, result in results.items()}
+    starts = sorted(sizes, reverse=True)
+    circuit = _every_pair(starts)
+    makes = {length: batch_factory(samples[length], target) for length in sizes}
+    lowered = 0
+    runs = 0
+    agree = sync and _distributed.active()
+    with prepared(
+        model, optimizer, memory, train=spec.train, loss_fn=spec.loss_fn, step_fn=spec.step_fn,
+        scaler=spec.scaler,
+    ) as work:
+        order: list[tuple[int, int]] = []  # (length, share of its size, in 1/8s)
+        made = [0]
+
+        def next_batch(_size: int) -> Any:
+            length, eighths = order[made[0]]
+            made[0] += 1
+            return makes[length](max(sizes[length] * eighths // 8, 1))
+
+        runner = TrialRunner(
+            next_batch, work.step, work.memory, steps_per_trial=len(circuit) + 1,
+            cleanup=work.start_over if work.optimizer is not None else work.drop_gradients,
+            per_operator=False, adaptive=False,
+        )
+        probe = _distributed.trials_in_lockstep(
+            runner, model, sync=sync, modules=modules_referenced(spec.loss_fn, spec.step_fn)
+        )
+        shares = random.Random(0)
+        start = 0
+        while start < len(starts):
+            # every other step a batch its length's sampler closes early (a share of its size),
+            # the others from one start to the next
+            order[:] = [
+                (length, 8 if (i + start) % 2 == 0 else shares.randint(0, 7))
+                for i, length in enumerate([starts[start], *circuit])
+            ]
+            made[0] = 0
+            runs += 1
+            record = probe(len(order))
+            failed = len(order) if record.fits else made[0] - 1
+            if agree:
+                failed = _distributed.all_min([failed])[0]
+            if failed == len(order):
+                start += 1
+                continue
+            lowered += 1
+            smaller = {n: _lower(size, spec) for n, size in sizes.items()}
+            if lowered > MAX_LOWERINGS or None in smaller.values():
+                length = order[failed][0]
+                raise BatchSizeError(
+                    f"at length {length}, batch {sizes[length]} trains alone but runs out of "
+                    "memory among batches of the other lengths, and lowering every length's "
+                    f"size {lowered - 1} times did not prove out (min_batch={spec.min_batch}): "
+                    "the cached blocks other lengths leave do not fit it. Set "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or train under "
+                    "autobatch.oom_guard with retry_on_oom",
+                    batch_size=sizes[length],
+                )
+            sizes = {n: size for n, size in smaller.items() if size is not None}
+            start = 0  # (every start again, at the lower sizes)
+    steps = runs * (len(circuit) + 1)
+    logger.info("proved the sizes among each other in %d runs (%d steps)", runs, steps)
+    proven = dict(results)
+    table_note = (
+        f"the recommended sizes ran together, each length after every other, in {runs} runs "
+        f"({steps} steps): under a caching allocator without expandable segments the lengths cut "
+        "each other's cached blocks, and a long run can still meet a layout those runs did not; "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids it, autobatch.oom_guard with "
+        "retry_on_oom recovers from it"
+    )
+    for length, result in results.items():
+        if sizes[length] != result.batch_size:
+            note = (
+                f"batch {result.batch_size} trains alone at this length but ran out of memory "
+                f"among batches of the other lengths: recommended {sizes[length]}, proven in "
+                f"{runs} runs of the lengths in turn ({steps} steps)"
+            )
+            proven[length] = dataclasses.replace(
+                result, batch_size=sizes[length], notes=(*result.notes, note)
+            )
+    return proven, (table_note,)
+
+
+def _every_pair(lengths: list[int]) -> list[int]:
+    """The lengths in an order in which every ordered pair of them (each with itself too)
+    follows the first one once: ``k * k`` steps after it for ``k`` lengths (an Eulerian
+    circuit of the complete graph with loops, Hierholzer's algorithm).
+
+    >>> _every_pair([2, 1])
+    [1, 1, 2, 2]
+    """
+    unused = {a: list(range(len(lengths))) for a in range(len(lengths))}
+    stack, circuit = [0], []
+    while stack:
+        if unused[stack[-1]]:
+            stack.append(unused[stack[-1]].pop())
+        else:
+            circuit.append(stack.pop())
+    return [lengths[i] for i in reversed(circuit)][1:]
+
+
+def _lower(size: int, spec: SearchSpec) -> int | None:
+    """``size`` less half the headroom's share of it (a grid step at least), on the grid;
+    ``None`` below ``min_batch``."""
+    step = spec.multiple_of
+    smaller = min(math.floor(size * (1 - spec.headroom / 2)) // step * step, size - step)
+    return smaller if smaller >= max(spec.min_batch, 1) else None

@@ -5,16 +5,20 @@ sequence length is drawn at random from a few lengths, inside
 ``SimulatedGPU(capacity, allocator="caching")``:
 
 1. found: the batch size is what ``search_batch_size`` recommends for the longest length; no
-   guard. Goal: no OOM in any step, and the reserved memory bounded by the capacity (it settles
-   once each length has been seen).
-2. guarded: the batch size is 30% above the largest that fits at the longest length; the step is
-   decorated with ``retry_on_oom(optimizer=...)`` and the loop runs in ``oom_guard``. Goal: every
-   sample trained exactly once (counted by the guard and by the step itself), the OOMs few,
-   the reserved memory bounded.
+   guard. With every batch padded to that length (the shape searched), the goal is no OOM in
+   any step and the reserved memory bounded by the capacity. With each batch padded to its own
+   length, the run is shown, with no goal: one shape was searched, and under a caching
+   allocator other shapes cut its cached blocks (``search_batch_sizes`` is for that).
+2. guarded: the batch size is 30% above the largest that fits at the longest length, lengths
+   mixed; the step is decorated with ``retry_on_oom(optimizer=...)`` and the loop runs in
+   ``oom_guard``. Goal: every sample trained exactly once (counted by the guard and by the
+   step itself), the OOMs few, the reserved memory bounded.
 3. per length: ``search_batch_sizes`` (default headroom) measures the lengths used, and
    ``MemoryAwareBatchSampler(lengths, table)`` packs a dataset whose samples have those lengths
    at random into batches as large as each batch's longest member allows, epoch after epoch;
-   no guard. Goal: no OOM in any step, the reserved memory bounded by the capacity.
+   no guard. Goal: no OOM in any step, the reserved memory bounded by the capacity. Three
+   times: on the 48 MiB device, on it with expandable segments, and on a 256 MiB one (a
+   20 MiB segment is most of a 48 MiB device; on a real GPU it is a sliver).
 
 The searches take their samples from host memory (made before the simulated GPU is entered),
 as a user's sample is.
@@ -22,7 +26,7 @@ as a user's sample is.
 Reserved memory is read after every step; its per-step peak is plotted when matplotlib is
 installed (``results/bench_longrun.png``, optional).
 
-    python benchmarks/bench_longrun.py            # about a minute on 2 CPU cores
+    python benchmarks/bench_longrun.py            # about 8 minutes on 2 CPU cores
     python benchmarks/bench_longrun.py --steps 100
 """
 
@@ -51,6 +55,7 @@ from autobatch.testing.models import transformer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CAPACITY = 48 << 20
+LARGER = 256 << 20  # where a 20 MiB segment is a twelfth of the device, not most of it
 LENGTHS = (16, 32, 48, 64)
 DATASET = 2000  # samples in the per-length run's dataset (it runs epoch after epoch)
 VOCAB = 1000
@@ -94,9 +99,12 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: tor
     return True
 
 
-def run_found(steps: int) -> dict[str, Any]:
-    """Part 1: the recommended size, no guard."""
+def run_found(steps: int, *, mixed: bool) -> dict[str, Any]:
+    """Part 1: the recommended size, no guard; every batch padded to the longest length (the
+    shape searched), or (``mixed``) to its own."""
     lengths = random.Random(0).choices(LENGTHS, k=steps)
+    if not mixed:
+        lengths = [max(LENGTHS)] * steps
     generator = torch.Generator().manual_seed(2)
     sample = _sample(max(LENGTHS))
     with SimulatedGPU(CAPACITY, allocator="caching") as gpu:
@@ -115,7 +123,8 @@ def run_found(steps: int) -> dict[str, Any]:
         seconds = time.perf_counter() - start
     ooms = failed.total()
     return {
-        "name": "found", "batch": size, "max": result.max_batch_size, "trials": len(result.trials),
+        "name": "found, lengths mixed" if mixed else "found, fixed shape", "batch": size,
+        "max": result.max_batch_size, "trials": len(result.trials), "capacity": CAPACITY,
         "ooms": ooms, "reserved": reserved, "seconds": seconds, "samples": steps * size,
         "expected": steps * size, "trained": (steps - ooms) * size, "recomputed": 0,
         "retries": gpu.num_alloc_retries, "changes": 0, "shapes": shapes, "failed": failed,
@@ -150,7 +159,7 @@ def run_guarded(steps: int) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         stats = guard.stats
     return {
-        "name": "guarded", "batch": size, "max": result.max_batch_size,
+        "name": "guarded", "batch": size, "max": result.max_batch_size, "capacity": CAPACITY,
         "trials": len(result.trials), "ooms": stats.ooms, "reserved": reserved,
         "seconds": seconds, "samples": stats.samples, "expected": steps * size,
         "trained": trained[0], "recomputed": stats.samples_recomputed,
@@ -158,14 +167,14 @@ def run_guarded(steps: int) -> dict[str, Any]:
     }
 
 
-def fresh_loop_fits(length: int, size: int) -> bool:
+def fresh_loop_fits(length: int, size: int, capacity: int, expandable: bool) -> bool:
     """Does a batch of this shape train alone, in a user's own loop: a fresh model and AdamW in
     a fresh simulator, a new batch copied to the device each step, the loss held until the
     next, for ``CACHING_STEPS`` steps (as ``tests/_models.py::fresh_loop_fits``)?"""
     model, opt = _setup()
     host = _tokens(size, length, torch.Generator().manual_seed(3))
     try:
-        with SimulatedGPU(CAPACITY, allocator="caching") as gpu:
+        with SimulatedGPU(capacity, expandable_segments=expandable) as gpu:
             gpu.adopt(model)
             for _ in range(CACHING_STEPS):
                 x, y = (t.clone() for t in host)  # .to(device)
@@ -185,13 +194,13 @@ def _epochs(sampler: MemoryAwareBatchSampler) -> Iterator[list[int]]:
         yield from sampler
 
 
-def run_per_length(steps: int) -> dict[str, Any]:
+def run_per_length(steps: int, capacity: int = CAPACITY, expandable: bool = False) -> dict[str, Any]:
     """Part 3: the sizes ``search_batch_sizes`` recommends per length, batches packed by the
     ``MemoryAwareBatchSampler``, no guard."""
     lengths = random.Random(0).choices(LENGTHS, k=DATASET)  # each sample's length
     generator = torch.Generator().manual_seed(2)
     samples = {length: _sample(length) for length in LENGTHS}
-    with SimulatedGPU(CAPACITY, allocator="caching") as gpu:
+    with SimulatedGPU(capacity, expandable_segments=expandable) as gpu:
         model, opt = _setup()
         gpu.adopt(model)
         table = search_batch_sizes(
@@ -214,8 +223,13 @@ def run_per_length(steps: int) -> dict[str, Any]:
             samples_run += len(batch)
             trained += len(batch) if fits else 0
         seconds = time.perf_counter() - start
+    lowered = sum(any("among batches of the other lengths" in n for n in r.notes)
+                  for r in table.results)
     return {
-        "name": "per length", "batch": "/".join(str(table.batch_size(n)) for n in LENGTHS),
+        "name": f"per length, {capacity // MiB} MiB" + (", expandable" if expandable else "")
+        + (f" ({lowered} lowered together)" if lowered else ""),
+        "capacity": capacity, "expandable": expandable,
+        "batch": "/".join(str(table.batch_size(n)) for n in LENGTHS),
         "max": "/".join(str(table.max_batch_size(n)) for n in LENGTHS),
         "trials": len(table.trials), "ooms": failed.total(), "reserved": reserved,
         "seconds": seconds, "samples": samples_run, "expected": samples_run, "trained": trained,
@@ -229,12 +243,15 @@ def _table(runs: list[dict[str, Any]], steps: int) -> str:
         "# Long runs under the simulated caching allocator",
         "",
         f"Produced by `python benchmarks/bench_longrun.py`: {steps} steps of a transformer "
-        f"(d_model 32, 1 layer, AdamW) on `SimulatedGPU({CAPACITY // MiB} MiB, "
-        f"allocator=\"caching\")`, sequence lengths drawn at random from {LENGTHS}. "
-        "*found*: the size `search_batch_size` recommends at the longest length, no guard; "
-        "*guarded*: 30% above the largest size that fits there, under `oom_guard` and "
-        "`retry_on_oom(optimizer=...)`; *per length*: the sizes `search_batch_sizes` "
-        f"recommends at each of {'/'.join(map(str, LENGTHS))} (default headroom; batch and "
+        f"(d_model 32, 1 layer, AdamW) on `SimulatedGPU({CAPACITY // MiB} MiB)` (the caching "
+        f"allocator) unless the run says otherwise, sequence lengths drawn at random from "
+        f"{LENGTHS}. *found, fixed shape*: the size `search_batch_size` recommends at the "
+        "longest length, every batch padded to it, no guard; *found, lengths mixed*: that size, "
+        "each batch padded to its own length (no goal: one shape was searched); *guarded*: 30% "
+        "above the largest size that fits at the longest length, lengths mixed, under "
+        "`oom_guard` and `retry_on_oom(optimizer=...)`; *per length*: the sizes "
+        f"`search_batch_sizes` recommends at each of {'/'.join(map(str, LENGTHS))} (default "
+        "headroom, proven together where the allocator has no expandable segments; batch and "
         "largest that fits are given per length, in that order), batches of a dataset of "
         f"{DATASET} samples with those lengths at random packed by "
         "`MemoryAwareBatchSampler(lengths, table)`, epoch after epoch, each padded to its "
@@ -263,7 +280,8 @@ def _table(runs: list[dict[str, Any]], steps: int) -> str:
                 f"- {length} × {size}: {r['failed'][length, size]} of "
                 f"{r['shapes'][length, size]} steps; alone, in a user's own fresh "
                 f"{CACHING_STEPS}-step loop, it "
-                + ("trains" if fresh_loop_fits(length, size) else "runs out of memory too")
+                + ("trains" if fresh_loop_fits(length, size, r["capacity"], r.get("expandable", False))
+                   else "runs out of memory too")
                 for length, size in failed
             ]
             lines.append("")
@@ -280,12 +298,12 @@ def _plot(runs: list[dict[str, Any]], path: Path) -> bool:
         return False
     figure, axes = plt.subplots(figsize=(8, 3.5))
     for r in runs:
-        axes.plot([b / MiB for b in r["reserved"]], label=f"{r['name']} (batch {r['batch']})",
-                  linewidth=0.8)
-    axes.axhline(CAPACITY / MiB, color="black", linestyle="--", linewidth=0.8, label="capacity")
+        axes.plot([b / r["capacity"] for b in r["reserved"]],
+                  label=f"{r['name']} (batch {r['batch']})", linewidth=0.8)
+    axes.axhline(1.0, color="black", linestyle="--", linewidth=0.8, label="capacity")
     axes.set_xlabel("step")
-    axes.set_ylabel("reserved peak (MiB)")
-    axes.set_ylim(0, CAPACITY / MiB * 1.1)
+    axes.set_ylabel("reserved peak / capacity")
+    axes.set_ylim(0, 1.1)
     axes.legend(loc="lower right")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -301,14 +319,21 @@ def main() -> int:
     torch.set_num_threads(1)
     logging.getLogger("autobatch").setLevel(logging.ERROR)
     started = time.perf_counter()
-    runs = [run_found(args.steps), run_guarded(args.steps), run_per_length(args.steps)]
+    mixed = run_found(args.steps, mixed=True)
+    unguarded = [
+        run_found(args.steps, mixed=False),
+        run_per_length(args.steps),
+        run_per_length(args.steps, expandable=True),
+        run_per_length(args.steps, capacity=LARGER),
+    ]
+    runs = [unguarded[0], mixed, run_guarded(args.steps), *unguarded[1:]]
     failed = []
     for r in runs:
-        if max(r["reserved"]) > CAPACITY:
+        if max(r["reserved"]) > r["capacity"]:
             failed.append(f"{r['name']}: reserved above the capacity")
-        if r["trained"] != r["samples"] or r["samples"] != r["expected"]:
+        if r is not mixed and (r["trained"] != r["samples"] or r["samples"] != r["expected"]):
             failed.append(f"{r['name']}: {r['trained']} samples trained of {r['samples']}")
-    for r in (runs[0], runs[2]):
+    for r in unguarded:
         if r["ooms"]:
             failed.append(f"{r['name']}: the recommended sizes ran out of memory")
     table = _table(runs, args.steps)

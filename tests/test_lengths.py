@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import doctest
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -15,11 +16,14 @@ import pytest
 import torch
 from _models import fits_two_steps
 from _ranks import run_ranks
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader
 
 import autobatch
 from autobatch import AutobatchError, LengthTable, search_batch_size, search_batch_sizes
+from autobatch._lengths import _every_pair
 from autobatch._search import LinearModel, Predicted, Trial, predict_line, search
 from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
@@ -486,3 +490,63 @@ def test_23_12_at_zero_slack_each_length_is_the_single_searchs_size() -> None:
                     loss_fn=CE, headroom=0,
                 ).max_batch_size(length)
     assert found == {"single": 392, "table": 392}
+
+
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=7, unique=True))
+def test_the_lengths_in_turn_follow_every_length_by_every_other_once(lengths: list[int]) -> None:
+    turn = [lengths[0], *_every_pair(lengths)]
+    pairs = list(itertools.pairwise(turn))
+    assert sorted(pairs) == sorted((a, b) for a in lengths for b in lengths)
+
+
+class _Fragmenting(nn.Module):
+    """A transformer whose step at the longest length runs out of memory (as a caching
+    allocator does when the shorter batches before it cut its cached blocks) when it comes
+    right after a step at the shortest length with more than ``rows`` rows: a size that trains
+    alone but not among the other lengths."""
+
+    def __init__(self, shortest: int, longest: int, rows: int) -> None:
+        super().__init__()
+        self.net = transformer(d_model=16, layers=1)
+        self.shortest, self.longest, self.rows = shortest, longest, rows
+        self.last: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length, last = x.shape[1], self.last
+        self.last = length
+        if length == self.longest and last == self.shortest and len(x) > self.rows:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return self.net(x)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_sizes_that_run_out_among_other_lengths_are_lowered_until_they_run_together(
+    expandable: bool,
+) -> None:
+    """Each length is searched alone; then, under a caching allocator without expandable
+    segments, the sizes run together, every length after every other and from every first
+    length, and every size is lowered while that runs out. The table and the lowered length
+    say so, and the model, RNG and memory are as before. With expandable segments (free pages
+    go back wherever they lie) the sizes stand as found alone."""
+    torch.manual_seed(0)
+    model = _Fragmenting(8, 32, rows=20)
+    before = _everything(model)
+    with SimulatedGPU("4MiB", expandable_segments=expandable) as gpu:
+        gpu.adopt(model)
+        memory_before = gpu.allocated_bytes
+        table = search_batch_sizes(model, _sample_for, [8, 16, 32], torch.optim.Adam, loss_fn=CE)
+        memory_after = gpu.allocated_bytes
+    alone = [r.max_batch_size * 9 // 10 for r in table.results]
+    sizes = [table.batch_size(n) for n in (8, 16, 32)]
+    assert alone[2] > 20  # (the case needs a size above the rows that run together)
+    assert _same(before, _everything(model))
+    assert memory_before == memory_after
+    if expandable:
+        assert sizes == alone
+        assert not table.notes
+        return
+    assert sizes[2] <= 20 < alone[2]  # lowered until it runs after the shortest length
+    assert all(s < a for s, a in zip(sizes, alone, strict=True))  # every length, together
+    assert "ran together" in table.notes[0]
+    assert "expandable_segments" in table.notes[0]
+    assert any("among batches of the other lengths" in n for n in table.results[2].notes)
