@@ -3,11 +3,16 @@ training loop or another library makes them; outside, they are torch's own again
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
+from _models import fresh_loop_fits
 from torch import nn
 
 import autobatch
 from autobatch.testing import SimulatedGPU
+from autobatch.testing.models import mlp
 
 _CALLS = ("empty_cache", "memory_allocated", "memory_reserved", "max_memory_allocated",
           "max_memory_reserved", "reset_peak_memory_stats", "mem_get_info", "memory_stats")
@@ -58,3 +63,47 @@ def test_torch_cuda_empty_cache_frees_as_much_as_autobatch_free_memory() -> None
             free()
             reserved.append(gpu.reserved_bytes)
     assert reserved[0] == reserved[1] == 0
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_accelerates_finder_lands_where_a_fresh_loop_says(expandable: bool) -> None:
+    """Accelerate's ``find_executable_batch_size`` (times 0.9 after each OOM, its
+    own clean-up in between) run inside the simulator, with the training function building
+    its model and AdamW as Accelerate's docs ask, lands on the first size of its sequence that
+    a user's own fresh loop trains: the failed tries leave nothing that moves it."""
+    memory = pytest.importorskip("accelerate.utils.memory")
+    template = mlp(width=256)
+    capacity = "6MiB"
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(n)
+        return torch.randn(n, 128, generator=generator), torch.randint(0, 10, (n,), generator=generator)
+
+    sizes = [2048]  # Accelerate's sizes, their batches made in host memory as a loader's are
+    while sizes[-1] > 1:
+        sizes.append(int(sizes[-1] * 0.9))
+    host = {n: sample(n) for n in sizes}
+    tried: list[int] = []
+    with SimulatedGPU(capacity, expandable_segments=expandable) as gpu:
+
+        @memory.find_executable_batch_size(starting_batch_size=sizes[0])
+        def train(batch_size: int) -> int:
+            tried.append(batch_size)
+            model = copy.deepcopy(template)
+            gpu.adopt(model)
+            opt = torch.optim.AdamW(model.parameters())
+            for _ in range(5):
+                x, y = (t.clone() for t in host[batch_size])  # .to(device)
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+            return batch_size
+
+        landed = train()
+    truth = next(
+        n for n in tried
+        if fresh_loop_fits(template, sample, n, capacity, expandable_segments=expandable)
+    )
+    assert len(tried) > 3  # (it ran out of memory on the way)
+    assert landed == truth == tried[-1]
