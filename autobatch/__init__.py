@@ -9,17 +9,17 @@ device; :func:`retry_on_oom` and :func:`oom_guard` keep training alive when memo
 
 from __future__ import annotations
 
-from autobatch._backends import free_memory
 from autobatch._batch import per_batch
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._finder import find_max_batch, search_batch_size
-from autobatch._lengths import search_batch_sizes
+from autobatch._memory._backends import free_memory
 from autobatch._oom import is_oom_error, is_size_limit_error
-from autobatch._planner import Plan, PlanBreakdown, plan_max_batch
-from autobatch._plot import plot
+from autobatch._records._plot import plot
+from autobatch._records._result import LengthTable, SearchResult, ThroughputResult
 from autobatch._recovery import RecoveryStats, embed_in_pieces, oom_guard, retry_on_oom
-from autobatch._result import LengthTable, SearchResult, ThroughputResult
-from autobatch._throughput import find_best_batch
+from autobatch._sizing._finder import find_max_batch, search_batch_size
+from autobatch._sizing._per_length import search_batch_sizes
+from autobatch._sizing._planner import Plan, PlanBreakdown, plan_max_batch
+from autobatch._sizing._throughput import find_best_batch
 from autobatch._version import __version__ as __version__
 
 __all__ = [

@@ -15,9 +15,9 @@ whose cost grows with a size.
 from __future__ import annotations
 
 from autobatch import _search
-from autobatch._finder import find_max_batch, search_batch_size
-from autobatch._result import SearchResult
+from autobatch._records._result import SearchResult
 from autobatch._search import *  # noqa: F403  # the engine is public here, as it is
+from autobatch._sizing._finder import find_max_batch, search_batch_size
 
 __all__ = ["SearchResult", "find_max_batch", "search_batch_size"]
 __all__ += _search.__all__  # the engine, public here

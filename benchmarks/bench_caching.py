@@ -60,9 +60,9 @@ import torch
 from torch import nn
 
 import autobatch
-from autobatch._trial import CACHING_STEPS
+from autobatch._sizing._trial import CACHING_STEPS
+from autobatch._sizing._workload import DEFAULT_HEADROOM
 from autobatch._units import format_bytes, parse_bytes
-from autobatch._workload import DEFAULT_HEADROOM
 from autobatch.search import SearchResult
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import RecurrentClassifier

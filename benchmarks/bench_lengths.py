@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.data import DataLoader
 
 import autobatch
-from autobatch._trial import CACHING_STEPS
+from autobatch._sizing._trial import CACHING_STEPS
 from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import gru, tokens, transformer

@@ -48,7 +48,7 @@ from torch import nn
 
 import autobatch
 from autobatch import oom_guard, retry_on_oom, search_batch_size, search_batch_sizes
-from autobatch._trial import CACHING_STEPS
+from autobatch._sizing._trial import CACHING_STEPS
 from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import transformer

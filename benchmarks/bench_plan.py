@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autobatch
-from autobatch._planner import plan_max_batch
+from autobatch._sizing._planner import plan_max_batch
 from autobatch._units import format_bytes
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS, RecurrentClassifier, TinyTransformer

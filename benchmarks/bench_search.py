@@ -67,7 +67,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
 import autobatch
-from autobatch._trial import CACHING_STEPS
+from autobatch._sizing._trial import CACHING_STEPS
 from autobatch._units import format_bytes, parse_bytes
 from autobatch.testing import OOM_KINDS, SimulatedGPU
 from autobatch.testing.models import WORKLOADS, mlp

@@ -73,10 +73,10 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 import autobatch
-from autobatch._backends import DeviceMemory, memory_for
-from autobatch._measure import _StepPeaks
+from autobatch._memory._backends import DeviceMemory, memory_for
+from autobatch._memory._measure import _StepPeaks
 from autobatch._search import Verdicts
-from autobatch._workload import prime_optimizer
+from autobatch._sizing._workload import prime_optimizer
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import MixtureOfExperts, TinyTransformer, conv_net, mlp
 

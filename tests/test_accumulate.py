@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autobatch import AutobatchError, BatchSizeError, retry_on_oom
-from autobatch._accounting import call_keeping_versions
+from autobatch._memory._accounting import call_keeping_versions
 from autobatch._recovery import oom_guard
 from autobatch._recovery._sizes import _KeyState, _Sizes
 from autobatch.testing import SimulatedGPU, inject_oom

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autobatch._allocator import CachingAllocator
-from autobatch._blocks import (
+from autobatch._memory._allocator import CachingAllocator
+from autobatch._memory._blocks import (
     LARGE_BUFFER,
     SMALL_SIZE,
     AllocatorOutOfMemory,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autobatch
-from autobatch._backends import (
+from autobatch._memory._backends import (
     CpuMemory,
     CudaMemory,
     MpsMemory,
@@ -16,7 +16,7 @@ from autobatch._backends import (
     _allocator_settings,
     memory_for,
 )
-from autobatch._snapshot import NotModelled, modelled_settings
+from autobatch._memory._snapshot import NotModelled, modelled_settings
 from autobatch.testing import SimulatedGPU
 
 

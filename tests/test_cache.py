@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from autobatch import search_batch_size
-from autobatch._backends import memory_for
-from autobatch._cache import (
+from autobatch._memory._backends import memory_for
+from autobatch._records._cache import (
     CACHE_ENV,
     ResultCache,
     autocast_dtype,
@@ -256,7 +256,7 @@ _WRITER = textwrap.dedent(
     import time
     from pathlib import Path
 
-    from autobatch._cache import ResultCache
+    from autobatch._records._cache import ResultCache
 
     cache = ResultCache(sys.argv[1])
     me, flags = sys.argv[2], Path(sys.argv[3])
@@ -549,7 +549,7 @@ _KEY_IN_A_PROCESS = textwrap.dedent(
     import torch
     from torch import nn
     from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
-    from autobatch._cache import fingerprint
+    from autobatch._records._cache import fingerprint
 
     models = [
         GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,

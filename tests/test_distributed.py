@@ -495,7 +495,7 @@ def _plain_ddp_loop(case: str, rank: int, n: int, steps: int = 3) -> str | None:
 
 
 def _ddp_find(rank: int) -> dict[str, Any]:
-    from autobatch._result import result_to_dict
+    from autobatch._records._result import result_to_dict
 
     out: dict[str, Any] = {}
     sample = WORKLOADS["mlp"].sample(4)  # (host memory: the batches go to the device)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from autobatch import BatchSizeError, LengthTable, search_batch_size, search_batch_sizes
-from autobatch._trial import CACHING_STEPS
+from autobatch._sizing._trial import CACHING_STEPS
 from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import conv_net, gru, mlp, tokens, transformer

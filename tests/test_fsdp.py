@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autobatch
-from autobatch._accounting import round_allocation
-from autobatch._result import result_to_dict
+from autobatch._memory._accounting import round_allocation
+from autobatch._records._result import result_to_dict
 from autobatch.testing import SimulatedGPU
 from autobatch.testing._inject import OOM_KINDS
 from autobatch.testing.models import TinyTransformer

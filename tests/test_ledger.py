@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from autobatch._accounting import HIDDEN_WRITES, op_facts, written_tensors
+from autobatch._memory._accounting import HIDDEN_WRITES, op_facts, written_tensors
 from autobatch._recovery._ledger import Ledger
 from autobatch._recovery._rules import REFUSED, RULES, Kind, Refusal, Verdict, Write
 

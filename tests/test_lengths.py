@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 
 import autobatch
 from autobatch import AutobatchError, LengthTable, search_batch_size, search_batch_sizes
-from autobatch._lengths import _every_pair
 from autobatch._search import LinearModel, Predicted, Trial, predict_line, search
+from autobatch._sizing._per_length import _every_pair
 from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import gru, tokens, transformer
@@ -333,11 +333,11 @@ def test_options_are_those_of_search_batch_size() -> None:
 
 
 def test_docstring_examples_run() -> None:
-    import autobatch._lengths
-    import autobatch._result
-    import autobatch._search._lengths
+    import autobatch._records._result
+    import autobatch._search._length_lines
+    import autobatch._sizing._per_length
 
-    for module in (autobatch._lengths, autobatch._result, autobatch._search._lengths):
+    for module in (autobatch._sizing._per_length, autobatch._records._result, autobatch._search._length_lines):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 

@@ -10,12 +10,12 @@ from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-import autobatch._planner._meta
-import autobatch._planner._plan
-import autobatch._planner._records
+import autobatch._sizing._planner._meta
+import autobatch._sizing._planner._plan
+import autobatch._sizing._planner._plans
 from autobatch import AutobatchError, BatchSizeError, search_batch_size
-from autobatch._accounting import round_allocation
-from autobatch._planner import Plan, plan_max_batch
+from autobatch._memory._accounting import round_allocation
+from autobatch._sizing._planner import Plan, plan_max_batch
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS, RecurrentClassifier, mlp
 
@@ -365,7 +365,7 @@ def test_plan_repr_is_readable() -> None:
 
 
 def test_docstrings_run() -> None:
-    modules = (autobatch._planner._meta, autobatch._planner._plan, autobatch._planner._records)
+    modules = (autobatch._sizing._planner._meta, autobatch._sizing._planner._plan, autobatch._sizing._planner._plans)
     results = [doctest.testmod(module) for module in modules]
     assert sum(result.failed for result in results) == 0
     assert sum(result.attempted for result in results) > 0
@@ -482,7 +482,7 @@ def test_real_steps_are_refused_when_the_copy_would_crowd_the_host(
 ) -> None:
     """A CPU copy of a model too large for this host's free memory is never made: the plan
     says so and points at find_max_batch."""
-    from autobatch._backends import CpuMemory
+    from autobatch._memory._backends import CpuMemory
 
     monkeypatch.setattr(CpuMemory, "free_bytes", lambda self: 64 * 1024)
     model = RecurrentClassifier("LSTM", 1, True, inputs=8, hidden=32, classes=4)
@@ -556,7 +556,7 @@ def test_attention_is_planned_with_the_kernel_the_cpu_runs(case: str) -> None:
 def test_attention_the_planner_cannot_replay_falls_back_to_real_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from autobatch._planner import _attention
+    from autobatch._sizing._planner import _attention
 
     monkeypatch.setattr(_attention, "_checked", lambda *key: "dispatched another operator")
     model, sample = _Attention(), (torch.randn(2, 48, 32), torch.randint(0, 5, (2,)))

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-import autobatch._plot
+import autobatch._records._plot
 from autobatch import SearchResult, plot, search_batch_size
-from autobatch._plot import DPI, FIGSIZE, plot_search, plot_throughput
-from autobatch._result import ThroughputPoint, ThroughputResult
+from autobatch._records._plot import DPI, FIGSIZE, plot_search, plot_throughput
+from autobatch._records._result import ThroughputPoint, ThroughputResult
 from autobatch._search import Trial
 from autobatch.testing import SimulatedGPU
 
@@ -122,7 +122,7 @@ def test_plot_refuses_what_it_cannot_draw() -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    result = doctest.testmod(autobatch._plot)
+    result = doctest.testmod(autobatch._records._plot)
     assert result.attempted > 0
     assert result.failed == 0
 

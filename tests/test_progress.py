@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autobatch import find_max_batch, search_batch_size
-from autobatch._progress import TrialProgress
+from autobatch._records._progress import TrialProgress
 from autobatch.search import Trial
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import mlp

@@ -704,10 +704,10 @@ def test_one_debug_line_per_trial(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_docstring_examples_run() -> None:
-    from autobatch._search import _engine, _model, _policies
+    from autobatch._search import _loop, _model, _policies
 
     results = [
-        doctest.testmod(module) for module in (autobatch.search, _model, _policies, _engine)
+        doctest.testmod(module) for module in (autobatch.search, _model, _policies, _loop)
     ]
     assert sum(r.attempted for r in results) > 10
     assert sum(r.failed for r in results) == 0

@@ -12,8 +12,8 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import autobatch
-from autobatch._accounting import round_allocation, storages
-from autobatch._backends import memory_for
+from autobatch._memory._accounting import round_allocation, storages
+from autobatch._memory._backends import memory_for
 from autobatch.testing import OOM_KINDS, SimulatedGPU, inject_oom
 from autobatch.testing.models import WORKLOADS, MixtureOfExperts
 

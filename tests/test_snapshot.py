@@ -14,9 +14,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autobatch import _snapshot
-from autobatch._allocator import CachingAllocator
-from autobatch._snapshot import NotModelled, changes_placement, modelled_settings, read_snapshot
+from autobatch._memory import _snapshot
+from autobatch._memory._allocator import CachingAllocator
+from autobatch._memory._snapshot import (
+    NotModelled,
+    changes_placement,
+    modelled_settings,
+    read_snapshot,
+)
 from autobatch.testing import SimulatedGPU
 
 MiB = 1 << 20

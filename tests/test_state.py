@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import autobatch
-from autobatch._accounting import round_allocation
-from autobatch._state import Snapshot
+from autobatch._memory._accounting import round_allocation
+from autobatch._sizing._state import SavedState
 from autobatch.testing import SimulatedGPU
 
 
@@ -51,10 +51,10 @@ def test_parameters_only_the_optimizer_holds_are_restored() -> None:
     model = nn.Linear(8, 8)
     scale = nn.Parameter(torch.ones(8))  # used by the step, held by the optimizer only
     opt = torch.optim.SGD([*model.parameters(), scale], lr=0.5, momentum=0.9)
-    snapshot = Snapshot(model, opt)
+    saved_state = SavedState(model, opt)
     model(torch.randn(4, 8)).mul(scale).sum().backward()
     opt.step()
-    snapshot.restore()
+    saved_state.restore()
     assert torch.equal(scale.detach(), torch.ones(8))
     assert scale.grad is None
     assert not opt.state
@@ -78,10 +78,10 @@ def test_gradients_stay_the_same_objects_and_views_of_their_flat_buffer() -> Non
     with SimulatedGPU("4MiB", adopt=[model, opt, own, flat]):
         autobatch.find_max_batch(model, sample, opt, max_batch=512,
                                  loss_fn=nn.functional.cross_entropy)
-        snapshot = Snapshot(own)
+        saved_state = SavedState(own)
         assert own.weight.grad is None
         assert own_grad.untyped_storage().nbytes() == 0  # its memory is free during trials
-        snapshot.restore()
+        saved_state.restore()
     assert all(p.grad is g for p, g in zip(params, grads, strict=True))
     assert all(
         g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for g in grads
@@ -107,9 +107,9 @@ def test_gradients_that_only_share_a_buffer_among_themselves_free_it_and_share_i
         grads = [p.grad for p in params]
         values = _state(*grads)
         held = gpu.allocated_bytes
-        snapshot = Snapshot(model)
+        saved_state = SavedState(model)
         assert gpu.allocated_bytes == held - round_allocation((offset + 7) * 4)
-        snapshot.restore()
+        saved_state.restore()
         assert gpu.allocated_bytes == held
     assert all(p.grad is g for p, g in zip(params, grads, strict=True))
     assert len({g.untyped_storage().data_ptr() for g in grads}) == 1  # one buffer again

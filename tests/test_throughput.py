@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from autobatch import BatchSizeError
-from autobatch._result import ThroughputPoint
-from autobatch._throughput import _choose, default_candidates, find_best_batch
+from autobatch._records._result import ThroughputPoint
+from autobatch._sizing._throughput import _choose, default_candidates, find_best_batch
 from autobatch.testing import SimulatedGPU, SimulatedMemory
 
 
@@ -107,7 +107,7 @@ def test_picks_where_the_curve_saturates(monkeypatch: pytest.MonkeyPatch) -> Non
     """A step whose time is flat up to 16 rows and linear after: 16 is the smallest size within
     the tolerance of the best samples/second (a saturated device)."""
     clock = _Clock()
-    monkeypatch.setattr("autobatch._throughput.time", clock)
+    monkeypatch.setattr("autobatch._sizing._throughput.time", clock)
 
     def step(model: nn.Module, batch: Any) -> None:
         clock.now += 0.01 * max(1.0, len(batch[0]) / 16)

@@ -1,4 +1,4 @@
-"""Tests for autobatch._trial: the peaks a trial reports, per operator and per phase."""
+"""Tests for autobatch._sizing._trial: the peaks a trial reports, per operator and per phase."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from autobatch._backends import memory_for
 from autobatch._batch import resize_batch
-from autobatch._measure import per_operator_possible
+from autobatch._memory._backends import memory_for
+from autobatch._memory._measure import per_operator_possible
 from autobatch._search import Trial
-from autobatch._trial import TrialRunner
-from autobatch._workload import TrainingStep, prime_optimizer
+from autobatch._sizing._trial import TrialRunner
+from autobatch._sizing._workload import TrainingStep, prime_optimizer
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS, mlp
 
@@ -143,7 +143,7 @@ def test_the_stand_in_loss_keeps_at_least_what_a_cross_entropy_keeps(
 ) -> None:
     """Without a loss_fn or labels the stand-in must not be cheaper than a training loss: a
     language model's cross-entropy over its vocabulary keeps the log-probabilities."""
-    from autobatch._workload import loss_of
+    from autobatch._sizing._workload import loss_of
 
     def peak(loss: Callable[[torch.Tensor], torch.Tensor]) -> int:
         with SimulatedGPU(2**40) as gpu:
@@ -198,7 +198,7 @@ def _growing_runner(steps_per_trial: int = 1) -> TrialRunner:
 
 
 def test_a_trial_steps_until_the_reserved_memory_stops_growing() -> None:
-    from autobatch._trial import CACHING_STEPS, MAX_STEADY_STEPS
+    from autobatch._sizing._trial import CACHING_STEPS, MAX_STEADY_STEPS
 
     with SimulatedGPU("1GiB", allocator="caching"):
         runner = _growing_runner()

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-import autobatch._workload
+import autobatch._sizing._workload
 from autobatch import find_max_batch, plan_max_batch, search_batch_size
-from autobatch._workload import collated, is_row_list
+from autobatch._sizing._workload import collated, is_row_list
 from autobatch.testing import SimulatedGPU
 
 CE = nn.functional.cross_entropy
@@ -41,7 +41,7 @@ def _same(a: Any, b: Any) -> None:
 
 
 def test_module_doctests() -> None:
-    result = doctest.testmod(autobatch._workload)
+    result = doctest.testmod(autobatch._sizing._workload)
     assert result.attempted > 0
     assert result.failed == 0
 

@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from autobatch._accounting import DispatchMode, call_keeping_versions
 from autobatch._batch import Batch, batch_size, tensors
 from autobatch._errors import AutobatchError
+from autobatch._memory._accounting import DispatchMode, call_keeping_versions
 from autobatch._recovery import _patches
 from autobatch._recovery._arguments import batch_statistics
 from autobatch._recovery._decorator import retry_on_oom

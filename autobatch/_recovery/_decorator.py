@@ -9,7 +9,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from torch import nn
 
-from autobatch._backends import DeviceLike
+from autobatch._memory._backends import DeviceLike
 from autobatch._recovery._engine import _Engine
 from autobatch._recovery._options import (
     AdditiveOption,

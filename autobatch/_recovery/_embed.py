@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from autobatch import _distributed
-from autobatch._accounting import DispatchMode, op_facts, written_tensors
-from autobatch._backends import restore_rng_states, save_rng_states
 from autobatch._batch import Batch, batch_size, concat_batches, map_tensors, slice_batch, tensors
 from autobatch._errors import AutobatchError
+from autobatch._memory._accounting import DispatchMode, op_facts, written_tensors
+from autobatch._memory._backends import restore_rng_states, save_rng_states
 from autobatch._recovery import _attempt, _ledger
 from autobatch._recovery._inspect import _forward_module, _key, user_frame
 from autobatch._recovery._row_ops import BATCH_NORMS, positions

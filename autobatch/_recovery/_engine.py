@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from autobatch import _distributed
-from autobatch._backends import DeviceLike, DeviceMemory, memory_for
 from autobatch._batch import (
     Batch,
     batch_size,
@@ -24,6 +23,7 @@ from autobatch._batch import (
 )
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_name
+from autobatch._memory._backends import DeviceLike, DeviceMemory, memory_for
 from autobatch._oom import is_oom_error, oom_kind
 from autobatch._recovery._accumulate import _Accumulation
 from autobatch._recovery._arguments import (

@@ -5,7 +5,7 @@ While a batch runs in micro-batches (and on a step's first call, and under a pro
 each attempt runs under :class:`_Mode`, a ``TorchDispatchMode`` that sees every operator the
 step dispatches, on autograd's threads too (torch hands the mode to backward). An operator's
 schema says which arguments it writes (``Tensor(a!)``), and
-:data:`autobatch._accounting.HIDDEN_WRITES` the few that write without saying so (batch norm's
+:data:`autobatch._memory._accounting.HIDDEN_WRITES` the few that write without saying so (batch norm's
 running statistics). A write to a tensor created during the attempt is the step's own
 business; a write to one that existed before it is looked up in the ledger's index (the
 model's parameters and buffers, gradients, optimizer state, metric states, tensors declared
@@ -37,7 +37,7 @@ from torch.nn.modules.module import (
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from autobatch._accounting import (
+from autobatch._memory._accounting import (
     DispatchMode,
     OpFacts,
     _tensors,
@@ -45,7 +45,7 @@ from autobatch._accounting import (
     op_facts,
     written_tensors,
 )
-from autobatch._backends import restore_rng_states, save_rng_states
+from autobatch._memory._backends import restore_rng_states, save_rng_states
 from autobatch._recovery import _attempt
 from autobatch._recovery._backups import Backups
 from autobatch._recovery._inspect import (
@@ -225,7 +225,7 @@ _FACTS: dict[Any, OpFacts] = {}
 
 def _call(facts: OpFacts, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an operator; a ``_foreach_`` one that writes has its version counters kept as
-    outside a mode (:func:`autobatch._accounting.call_keeping_versions`)."""
+    outside a mode (:func:`autobatch._memory._accounting.call_keeping_versions`)."""
     if facts.foreach_write:
         return call_keeping_versions(func, args, kwargs)
     return func(*args, **kwargs)

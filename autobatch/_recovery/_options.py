@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from autobatch._backends import DeviceLike
+from autobatch._memory._backends import DeviceLike
 from autobatch._validate import check_fraction, check_int, check_module
 
 Policy = Literal["accumulate", "shrink"]

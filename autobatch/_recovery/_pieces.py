@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from autobatch import _distributed
-from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
 from autobatch._batch import Batch, elements_per_sample, shape_key, tensors
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._measure import PeakKeeping, _PhasePeaks
+from autobatch._memory._backends import DeviceLike, DeviceMemory, free_memory, memory_for
+from autobatch._memory._measure import PeakKeeping, _PhasePeaks
 from autobatch._recovery._accumulate import _Accumulation, reset_scalers
 from autobatch._recovery._arguments import (
     _count_items,

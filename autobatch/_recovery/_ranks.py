@@ -12,10 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from autobatch import _distributed, _fsdp
-from autobatch._backends import free_memory
+from autobatch import _distributed
+from autobatch._distributed import _fsdp
 from autobatch._errors import AutobatchError
 from autobatch._log import get_logger
+from autobatch._memory._backends import free_memory
 from autobatch._oom import is_oom_error
 from autobatch._recovery._accumulate import _Accumulation
 from autobatch._recovery._attempt import _VERSION, _Failure, _Known, _strip_tracebacks

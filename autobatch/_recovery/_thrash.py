@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from autobatch import _backends
-from autobatch._backends import DeviceMemory
 from autobatch._log import get_logger
+from autobatch._memory import _backends
+from autobatch._memory._backends import DeviceMemory
 
 logger = get_logger("recovery")
 

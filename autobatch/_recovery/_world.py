@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch._backends import restore_rng_states, save_rng_states
 from autobatch._batch import Batch
+from autobatch._memory._backends import restore_rng_states, save_rng_states
 from autobatch._recovery._arguments import _modules_of
 from autobatch._recovery._options import RecoveryOptions
-from autobatch._state import Snapshot
+from autobatch._sizing._state import SavedState
 
 
 class World:
@@ -122,24 +122,24 @@ class World:
                 _load_object(obj, saved, self.shared)
             restore_rng_states(rng)
 
-    def save(self) -> tuple[Snapshot, list[Any], list[Any]]:
-        """Everything as it is now: the modules and optimizers in the finder's snapshot
-        (:class:`autobatch._state.Snapshot`, which also holds the RNG streams), the schedulers'
-        and the objects' states beside it."""
+    def save(self) -> tuple[SavedState, list[Any], list[Any]]:
+        """Everything as it is now: the modules and optimizers in the finder's saved state
+        (:class:`autobatch._sizing._state.SavedState`, which also holds the RNG streams), the
+        schedulers' and the objects' states beside it."""
         modules = [m for _, m in self.modules]
-        snapshot = Snapshot(None, modules=tuple(modules), optimizers=self.optimizers,
-                            params=tuple(t for _, t in self.loose))
-        snapshot.restore()  # (it takes the gradients aside, for a trial: they stay here)
+        kept = SavedState(None, modules=tuple(modules), optimizers=self.optimizers,
+                          params=tuple(t for _, t in self.loose))
+        kept.restore()  # (it takes the gradients aside, for a trial: they stay here)
         with torch.no_grad(), _disable_current_modes():
             return (
-                snapshot,
+                kept,
                 [copy.deepcopy(s.state_dict()) for s in self.schedulers],
                 [_save_object(o, self.shared) for o in self.objects],
             )
 
-    def load(self, saved: tuple[Snapshot, list[Any], list[Any]]) -> None:
-        snapshot, schedulers, objects = saved
-        snapshot.restore()
+    def load(self, saved: tuple[SavedState, list[Any], list[Any]]) -> None:
+        kept, schedulers, objects = saved
+        kept.restore()
         with torch.no_grad(), _disable_current_modes():
             for scheduler, state in zip(self.schedulers, schedulers, strict=True):
                 scheduler.load_state_dict(copy.deepcopy(state))

@@ -15,8 +15,8 @@ lengths measured before).
 
 from __future__ import annotations
 
-from autobatch._search._engine import recommend, search
-from autobatch._search._lengths import predict_line
+from autobatch._search._length_lines import predict_line
+from autobatch._search._loop import recommend, search
 from autobatch._search._model import (
     UNBOUNDED_MAX_SIZE,
     LinearModel,

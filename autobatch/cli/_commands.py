@@ -16,14 +16,14 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from autobatch._backends import memory_for, resolve_device
-from autobatch._cache import ResultCache, cached_search, open_cache, search_key
 from autobatch._errors import BatchSizeError
-from autobatch._finder import search_batch_size
-from autobatch._lengths import search_batch_sizes
-from autobatch._plot import plot
-from autobatch._result import SearchResult, ThroughputResult, result_to_dict
-from autobatch._throughput import _check, find_best_batch
+from autobatch._memory._backends import memory_for, resolve_device
+from autobatch._records._cache import ResultCache, cached_search, open_cache, search_key
+from autobatch._records._plot import plot
+from autobatch._records._result import SearchResult, ThroughputResult, result_to_dict
+from autobatch._sizing._finder import search_batch_size
+from autobatch._sizing._per_length import search_batch_sizes
+from autobatch._sizing._throughput import _check, find_best_batch
 from autobatch._units import format_bytes, parse_bytes
 from autobatch._validate import check_search_options
 from autobatch.cli._inputs import (
@@ -314,7 +314,7 @@ def _plan(args: argparse.Namespace) -> int:
             f"{format_bytes(capacity)} device; lower it"
         )
     try:
-        from autobatch._planner import plan_max_batch  # type: ignore[import-not-found,unused-ignore]
+        from autobatch._sizing._planner import plan_max_batch  # type: ignore[import-not-found,unused-ignore]
     except ImportError as error:
         raise RuntimeError(f"the planner is not available in this installation ({error})") from None
     print(f"plan: {type(setup.model).__name__} for {where}, sample {setup.sample.text}",

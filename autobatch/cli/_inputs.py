@@ -15,11 +15,11 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from autobatch._backends import memory_for, resolve_device
 from autobatch._errors import BatchSizeError
+from autobatch._memory._backends import memory_for, resolve_device
 from autobatch._oom import oom_kind
+from autobatch._sizing._workload import LossFn, language_model_loss
 from autobatch._units import format_bytes, parse_bytes
-from autobatch._workload import LossFn, language_model_loss
 from autobatch.cli._parser import _LOSSES, UsageError
 from autobatch.testing import SimulatedGPU
 

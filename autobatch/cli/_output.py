@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import torch
 
-from autobatch._result import LengthTable, SearchResult, ThroughputPoint
+from autobatch._records._result import LengthTable, SearchResult, ThroughputPoint
 from autobatch._search import Trial
 from autobatch._units import format_bytes
 from autobatch.cli._parser import PROG

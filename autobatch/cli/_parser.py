@@ -10,7 +10,7 @@ from typing import NoReturn
 import torch
 from torch import nn
 
-from autobatch._workload import DEFAULT_HEADROOM
+from autobatch._sizing._workload import DEFAULT_HEADROOM
 
 PROG = "autobatch"
 

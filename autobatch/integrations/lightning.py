@@ -53,7 +53,7 @@ from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom,
 from autobatch._log import get_logger, named_after
 from autobatch._recovery._patches import Patch
 from autobatch._recovery._results import _combine
-from autobatch._workload import DEFAULT_HEADROOM
+from autobatch._sizing._workload import DEFAULT_HEADROOM
 from autobatch.integrations import _common
 
 try:  # the unified package first, the standalone one where it is the only one installed

@@ -62,7 +62,7 @@ from autobatch import AutobatchError, RecoveryStats, SearchResult, retry_on_oom,
 from autobatch._log import get_logger, named_after, user_name
 from autobatch._recovery import RetryingStep
 from autobatch._recovery._patches import Patch
-from autobatch._workload import DEFAULT_HEADROOM
+from autobatch._sizing._workload import DEFAULT_HEADROOM
 from autobatch.integrations import _common, _trainer_loss
 
 __all__ = ["autobatch_trainer", "recovery_stats", "search_result"]

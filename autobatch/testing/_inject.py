@@ -16,7 +16,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._pytree import tree_flatten
 
-from autobatch._accounting import DispatchMode, call_keeping_versions
+from autobatch._memory._accounting import DispatchMode, call_keeping_versions
 
 _CUDA_TAIL = (
     "\nCUDA kernel errors might be asynchronously reported at some other API call, so the "

@@ -13,18 +13,18 @@ from typing import Any, Literal
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from autobatch import _backends
-from autobatch._accounting import (
+from autobatch._memory import _backends
+from autobatch._memory._accounting import (
     CUDA_BLOCK_BYTES,
     CountingMode,
     StorageLedger,
     _storage_key,
     storages,
 )
-from autobatch._allocator import CachingAllocator
-from autobatch._backends import BackwardLeftovers, in_backward
-from autobatch._blocks import LARGE_BUFFER, AllocatorOutOfMemory, Block
-from autobatch._snapshot import changes_placement, parse_settings, split_size_bytes
+from autobatch._memory._allocator import CachingAllocator
+from autobatch._memory._backends import BackwardLeftovers, in_backward
+from autobatch._memory._blocks import LARGE_BUFFER, AllocatorOutOfMemory, Block
+from autobatch._memory._snapshot import changes_placement, parse_settings, split_size_bytes
 from autobatch._units import format_bytes, parse_bytes
 
 _active_lock = threading.Lock()
@@ -47,7 +47,7 @@ class SimulatedGPU:
     autobatch's memory backend for the CPU reports the simulator's numbers.
 
     Two models of the device's allocator. ``"caching"`` (the default: CUDA's behaviour) models
-    PyTorch's CUDA caching allocator (:mod:`autobatch._allocator`): every storage is a
+    PyTorch's CUDA caching allocator (:mod:`autobatch._memory._allocator`): every storage is a
     block in a 2 MiB small-pool or a large-pool segment, freed blocks stay cached in their
     segments, and memory runs out when a new segment does not fit next to those already
     reserved, after the entirely free ones were released, as on a GPU whose process is capped
@@ -268,7 +268,7 @@ class SimulatedGPU:
 
     def allocator_copy(self) -> CachingAllocator | None:
         """A copy of the caching model as it is now (``None`` in the exact model), whose
-        :meth:`~autobatch._allocator.CachingAllocator.replay` tells what storages
+        :meth:`~autobatch._memory._allocator.CachingAllocator.replay` tells what storages
         allocated from here would do."""
         self._mode.settle()
         return None if self._allocator is None else copy.deepcopy(self._allocator)
@@ -281,7 +281,7 @@ class SimulatedGPU:
         ``active_size``, ``requested_size``, ``stream`` (0), ``segment_type``,
         ``segment_pool_id`` ((0, 0)), ``is_expandable`` and ``blocks`` (each with ``address``,
         ``size``, ``requested_size`` and ``state``); an expandable segment is one segment per
-        range of mapped pages. :meth:`~autobatch._allocator.CachingAllocator.from_snapshot`
+        range of mapped pages. :meth:`~autobatch._memory._allocator.CachingAllocator.from_snapshot`
         reads it back as a real device's backend reads a GPU's.
         """
         self._mode.settle()
@@ -435,7 +435,7 @@ class _DeviceMode(CountingMode):
 
     The simulated device is the CPU, whose backward runs on the calling thread and keeps the
     nodes left ready by a failed backward queued there, with their tensors
-    (:class:`~autobatch._backends.BackwardLeftovers`); a GPU's autograd thread drops them at
+    (:class:`~autobatch._memory._backends.BackwardLeftovers`); a GPU's autograd thread drops them at
     once. Once an operator has run inside a backward, the first operator outside one (or the
     first look at the simulator's numbers, on the thread that entered it) releases them: a
     backward of one multiplication, which does nothing after a backward that finished.
@@ -588,7 +588,7 @@ def allocator_config(environ: Mapping[str, str]) -> dict[str, Any]:
 
     Recognised: ``expandable_segments:True|False``, ``max_split_size_mb:N`` and
     ``max_non_split_rounding_mb:N`` (N >= 20, as ``c10/core/AllocatorConfig.cpp`` requires; see
-    :func:`~autobatch._snapshot.parse_settings`). Options that change allocation but are not
+    :func:`~autobatch._memory._snapshot.parse_settings`). Options that change allocation but are not
     modelled warn; the rest are ignored.
     """
     name = "PYTORCH_CUDA_ALLOC_CONF"

@@ -24,9 +24,9 @@ from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch import _fsdp
-from autobatch._accounting import DispatchMode
+from autobatch._distributed import _fsdp
 from autobatch._errors import AutobatchError
+from autobatch._memory._accounting import DispatchMode
 
 _AVAILABLE = dist.is_available()
 #: The type of the object where torch keeps the default process group (read directly:
@@ -420,7 +420,7 @@ def trials_in_lockstep(
     Refused with :class:`~autobatch.AutobatchError`, on every rank before any trial: FSDP1
     (``FullyShardedDataParallel``), DDP or FSDP2 with ``sync=False`` under a process group
     (their collectives need every rank), CPU offload, tensor parallelism under FSDP2 (see
-    :func:`autobatch._fsdp.unsupported`), and what DDP's reducer would measure differently (see
+    :func:`autobatch._distributed._fsdp.unsupported`), and what DDP's reducer would measure differently (see
     :func:`_replica_problem`).
     """
     tops = [model, *(m for m in modules if m is not model)]

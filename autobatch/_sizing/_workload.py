@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _batch
-from autobatch._backends import DeviceLike, resolve_device
+from autobatch._memory._backends import DeviceLike, resolve_device
 from autobatch._validate import check_search_options, is_sample_factory
 
 #: The share of the largest batch that trains the recommended batch leaves unused, by default

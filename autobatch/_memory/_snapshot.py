@@ -1,5 +1,5 @@
 """What torch's caching allocator says of itself, in the terms of the allocator model
-(:mod:`autobatch._allocator`): its memory snapshot, read and written, and its settings string.
+(:mod:`autobatch._memory._allocator`): its memory snapshot, read and written, and its settings string.
 
 Pure Python, no torch. The snapshot is the list ``torch.cuda.memory_snapshot()`` returns, built
 by ``_cuda_memorySnapshot`` (``torch/csrc/cuda/Module.cpp``) from
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autobatch._blocks import LARGE_BUFFER, MIN_BLOCK_SIZE, SMALL_BUFFER
+from autobatch._memory._blocks import LARGE_BUFFER, MIN_BLOCK_SIZE, SMALL_BUFFER
 
 #: A block's state in a snapshot, and whether the model counts it allocated. A block freed
 #: while another stream still uses it is ``active_pending_free`` (the name torch's docstring

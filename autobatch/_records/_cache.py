@@ -42,13 +42,13 @@ import torch
 from torch import nn
 
 from autobatch import _batch
-from autobatch._backends import DeviceMemory, restore_rng_states, save_rng_states
 from autobatch._log import user_stacklevel
-from autobatch._result import LengthTable, result_from_dict, result_to_dict
+from autobatch._memory._backends import DeviceMemory, restore_rng_states, save_rng_states
+from autobatch._records._result import LengthTable, result_from_dict, result_to_dict
 from autobatch._validate import is_sample_factory
 
 if TYPE_CHECKING:
-    from autobatch._result import SearchResult
+    from autobatch._records._result import SearchResult
 
 #: Environment variable naming the cache directory (overrides the XDG default).
 CACHE_ENV = "AUTOBATCH_CACHE_DIR"

@@ -17,14 +17,13 @@ from typing import Any
 
 from torch import nn
 
-from autobatch._backends import DeviceLike, DeviceMemory, free_memory, memory_for
 from autobatch._errors import BatchSizeError
-from autobatch._finder import search_batch_size
 from autobatch._log import get_logger
-from autobatch._result import SearchResult, ThroughputPoint, ThroughputResult
-from autobatch._trial import attempt, prepared
-from autobatch._validate import check_fraction, check_int, check_module
-from autobatch._workload import (
+from autobatch._memory._backends import DeviceLike, DeviceMemory, free_memory, memory_for
+from autobatch._records._result import SearchResult, ThroughputPoint, ThroughputResult
+from autobatch._sizing._finder import search_batch_size
+from autobatch._sizing._trial import attempt, prepared
+from autobatch._sizing._workload import (
     DEFAULT_HEADROOM,
     Batch,
     LossFn,
@@ -35,6 +34,7 @@ from autobatch._workload import (
     model_device,
     prime_optimizer,
 )
+from autobatch._validate import check_fraction, check_int, check_module
 
 logger = get_logger("throughput")
 

@@ -12,20 +12,18 @@ import torch
 from torch import nn
 
 from autobatch import _distributed
-from autobatch._backends import DeviceLike, DeviceMemory, memory_for
-from autobatch._cache import CacheOption, cached_search, open_cache, search_key
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger
-from autobatch._measure import per_operator_possible
+from autobatch._memory._backends import DeviceLike, DeviceMemory, memory_for
+from autobatch._memory._measure import per_operator_possible
 from autobatch._oom import oom_kind
-from autobatch._progress import OnTrial, watching
-from autobatch._result import SearchResult
+from autobatch._records._cache import CacheOption, cached_search, open_cache, search_key
+from autobatch._records._progress import OnTrial, watching
+from autobatch._records._result import SearchResult
 from autobatch._search import LinearModel, SearchPolicy, Trial, recommend, search
-from autobatch._state import modules_referenced
-from autobatch._trial import TrialRunner, prepared
-from autobatch._units import format_bytes
-from autobatch._validate import check_module
-from autobatch._workload import (
+from autobatch._sizing._state import modules_referenced
+from autobatch._sizing._trial import TrialRunner, prepared
+from autobatch._sizing._workload import (
     DEFAULT_HEADROOM,
     Batch,
     LossFn,
@@ -38,6 +36,8 @@ from autobatch._workload import (
     model_device,
     prime_optimizer,
 )
+from autobatch._units import format_bytes
+from autobatch._validate import check_module
 
 logger = get_logger("finder")
 
@@ -202,7 +202,9 @@ def _measured_search(
             f"available to this process; searching within {format_bytes(budget)}"
         )
     if plan and start is None and prior is None:
-        from autobatch._planner import plan_max_batch  # lazy: the planner imports this module
+        from autobatch._sizing._planner import (
+            plan_max_batch,  # lazy: the planner imports this module
+        )
 
         try:
             planned = plan_max_batch(

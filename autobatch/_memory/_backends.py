@@ -22,9 +22,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch._allocator import CachingAllocator
 from autobatch._log import get_logger
-from autobatch._snapshot import NotModelled, modelled_settings
+from autobatch._memory._allocator import CachingAllocator
+from autobatch._memory._snapshot import NotModelled, modelled_settings
 
 logger = get_logger("backends")
 
@@ -216,7 +216,7 @@ class CudaMemory(DeviceMemory):
 
     def allocation_model(self) -> AllocationModel | None:
         """A copy of the device's caching allocator, built from ``torch.cuda.memory_snapshot()``
-        (see :meth:`~autobatch._allocator.CachingAllocator.from_snapshot`), where torch runs
+        (see :meth:`~autobatch._memory._allocator.CachingAllocator.from_snapshot`), where torch runs
         its native allocator with settings the model covers: ``expandable_segments``,
         ``max_split_size_mb`` and ``max_non_split_rounding_mb`` (the pinned allocator's and the
         other neutral ones aside). ``None`` under any other setting that changes where blocks

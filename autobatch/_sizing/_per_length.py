@@ -21,24 +21,29 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch import _batch, _distributed
-from autobatch._backends import DeviceMemory, memory_for, restore_rng_states, save_rng_states
-from autobatch._cache import cached_table, open_cache, search_key, table_key
 from autobatch._errors import AutobatchError, BatchSizeError
-from autobatch._finder import _measured_search, search_batch_size
 from autobatch._log import get_logger
-from autobatch._progress import watching
-from autobatch._result import LengthTable, SearchResult
+from autobatch._memory._backends import (
+    DeviceMemory,
+    memory_for,
+    restore_rng_states,
+    save_rng_states,
+)
+from autobatch._records._cache import cached_table, open_cache, search_key, table_key
+from autobatch._records._progress import watching
+from autobatch._records._result import LengthTable, SearchResult
 from autobatch._search import LinearModel, Predicted, SearchPolicy, predict_line
-from autobatch._state import modules_referenced
-from autobatch._trial import TrialRunner, prepared
-from autobatch._validate import check_module, is_sample_factory
-from autobatch._workload import (
+from autobatch._sizing._finder import _measured_search, search_batch_size
+from autobatch._sizing._state import modules_referenced
+from autobatch._sizing._trial import TrialRunner, prepared
+from autobatch._sizing._workload import (
     OptimizerLike,
     Sample,
     SearchSpec,
     batch_factory,
     model_device,
 )
+from autobatch._validate import check_module, is_sample_factory
 
 logger = get_logger("lengths")
 

@@ -25,7 +25,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from autobatch._blocks import (
+from autobatch._memory._blocks import (
     LARGE_BUFFER,
     MIN_BLOCK_SIZE,
     SHIFT,
@@ -39,7 +39,7 @@ from autobatch._blocks import (
     allocation_size,
     round_size,
 )
-from autobatch._snapshot import SegmentRecord, read_snapshot, write_snapshot
+from autobatch._memory._snapshot import SegmentRecord, read_snapshot, write_snapshot
 
 #: The fields of each of CUDA's ``Stat`` counters, as ``torch.cuda.memory_stats()`` reports them.
 _FIELDS = ("current", "peak", "allocated", "freed")
@@ -125,8 +125,8 @@ class CachingAllocator:
         >>> b.blocks() == a.blocks(), (b.allocated_bytes, b.reserved_bytes) == (1024, 22 << 20)
         (True, True)
 
-        Raises :class:`~autobatch._snapshot.NotModelled` (a ``ValueError``) for what the model
-        cannot represent (see :func:`~autobatch._snapshot.read_snapshot`). Of an expandable
+        Raises :class:`~autobatch._memory._snapshot.NotModelled` (a ``ValueError``) for what the model
+        cannot represent (see :func:`~autobatch._memory._snapshot.read_snapshot`). Of an expandable
         segment the snapshot shows the mapped pages only: the model's starts at the first of
         them. New segments go above every segment there is, where a device may place them
         anywhere (which only decides between cached blocks of one size).
@@ -270,7 +270,7 @@ class CachingAllocator:
 
     def snapshot(self, device: int = 0) -> list[dict[str, Any]]:
         """The segments and blocks as ``torch.cuda.memory_snapshot()`` reports a device's (see
-        :func:`~autobatch._snapshot.write_snapshot`)."""
+        :func:`~autobatch._memory._snapshot.write_snapshot`)."""
         self._flush()
         return write_snapshot(
             (

@@ -2,7 +2,7 @@
 
 This module sets trials up and tears them down (:func:`prepared`: everything a trial may change
 is saved and put back), runs one at a size and records it (:class:`TrialRunner`, a
-:class:`~autobatch._search.Trial`), measuring through :mod:`autobatch._measure`. It never
+:class:`~autobatch._search.Trial`), measuring through :mod:`autobatch._memory._measure`. It never
 decides which size to try (that is :mod:`autobatch._search`).
 """
 
@@ -19,15 +19,20 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from autobatch._backends import AllocationModel, DeviceMemory, free_memory
 from autobatch._batch import tensors
 from autobatch._log import get_logger, user_stacklevel
-from autobatch._measure import PeakKeeping, StorageTrial, _curve, _replayed_curve, _StepPeaks
+from autobatch._memory._backends import AllocationModel, DeviceMemory, free_memory
+from autobatch._memory._measure import (
+    PeakKeeping,
+    StorageTrial,
+    _curve,
+    _replayed_curve,
+    _StepPeaks,
+)
 from autobatch._oom import failure_kind
 from autobatch._search import Trial
-from autobatch._state import Snapshot, modules_referenced
-from autobatch._units import format_bytes
-from autobatch._workload import (
+from autobatch._sizing._state import SavedState, modules_referenced
+from autobatch._sizing._workload import (
     Batch,
     LossFn,
     OptimizerLike,
@@ -37,6 +42,7 @@ from autobatch._workload import (
     is_compiled,
     make_optimizer,
 )
+from autobatch._units import format_bytes
 
 logger = get_logger("trial")
 
@@ -82,7 +88,7 @@ def prepared(
     scaler: Any,
 ) -> Iterator[Workload]:
     """The one setup and teardown around trials: the optimizer made, everything a trial may
-    change saved (:class:`~autobatch._state.Snapshot`), the model in eval mode for inference
+    change saved (:class:`~autobatch._sizing._state.SavedState`), the model in eval mode for inference
     and, where it was in eval mode as a whole, in train mode for training;
     afterwards gradients dropped, everything put back, the device's peak counter raised back to
     what it would read had no trial reset it (``work.memory``, :class:`PeakKeeping`, is what
@@ -95,7 +101,7 @@ def prepared(
         )
     made = make_optimizer(optimizer if train else None, model)
     _warn_uncounted(memory, model, made if made is optimizer else None)
-    snapshot = Snapshot(
+    saved_state = SavedState(
         model, made, tuple(x for x in (scaler,) if x is not None),
         modules=tuple(m for m in modules_referenced(loss_fn, step_fn) if m is not model),
     )
@@ -124,12 +130,12 @@ def prepared(
         if not train:
             model.eval()
         elif not model.training:  # (a from_pretrained model, or one right after validation)
-            model.train()  # dropout as training runs it; the snapshot puts each mode back
+            model.train()  # dropout as training runs it; the saved state puts each mode back
         yield work
     finally:
         views.close()
         work.drop_gradients()
-        snapshot.restore()
+        saved_state.restore()
         memory.empty_cache()
         work.memory.restore_peak()  # the user's max_memory_allocated() as if never reset
         memory.empty_cache()
@@ -229,9 +235,9 @@ class TrialRunner:
     reserved memory still grows (see :class:`_SteadyState`): the trial's ``reserved_bytes`` is
     the peak, and its ``steps`` how many ran. Ranks that search together pass
     ``adaptive=False``: every trial then runs those steps only, so that all of them run the
-    same steps. Where the backend has a copy of its allocator (:meth:`~autobatch._backends.
+    same steps. Where the backend has a copy of its allocator (:meth:`~autobatch._memory._backends.
     DeviceMemory.allocation_model`), two trials' storages replayed through it say which sizes
-    fit (the trial's ``curve``, see :func:`~autobatch._measure._replayed_curve`).
+    fit (the trial's ``curve``, see :func:`~autobatch._memory._measure._replayed_curve`).
     With ``per_operator`` (and memory statistics) the outcome's parts are the peaks of every
     operator the trial dispatched (see :class:`_StepPeaks`); its phases, the peaks outside and
     inside ``optimizer.step``, are measured either way.

@@ -13,12 +13,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch._accounting import CUDA_BLOCK_BYTES
-from autobatch._backends import CpuMemory, restore_rng_states, save_rng_states
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_stacklevel
-from autobatch._planner._meta import _MetaSetup, _StepError
-from autobatch._planner._records import Plan
+from autobatch._memory._accounting import CUDA_BLOCK_BYTES
+from autobatch._memory._backends import CpuMemory, restore_rng_states, save_rng_states
 from autobatch._search import (
     UNBOUNDED_MAX_SIZE,
     LinearModel,
@@ -29,9 +27,9 @@ from autobatch._search import (
     recommend,
     search,
 )
-from autobatch._units import format_bytes, parse_bytes
-from autobatch._validate import check_module
-from autobatch._workload import (
+from autobatch._sizing._planner._meta import _MetaSetup, _StepError
+from autobatch._sizing._planner._plans import Plan
+from autobatch._sizing._workload import (
     DEFAULT_HEADROOM,
     LossFn,
     OptimizerLike,
@@ -40,6 +38,8 @@ from autobatch._workload import (
     StepFn,
     collated,
 )
+from autobatch._units import format_bytes, parse_bytes
+from autobatch._validate import check_module
 
 logger = get_logger("planner")
 

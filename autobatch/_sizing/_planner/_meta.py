@@ -16,18 +16,17 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from torch.utils._pytree import tree_flatten
 
 from autobatch import _batch
-from autobatch._accounting import (
+from autobatch._errors import AutobatchError
+from autobatch._memory._accounting import (
     CountingMode,
     StorageLedger,
     _storage_key,
     storages,
 )
-from autobatch._errors import AutobatchError
-from autobatch._planner._attention import FusedAttention
-from autobatch._planner._records import PlanBreakdown
 from autobatch._search import Trial
-from autobatch._validate import is_sample_factory
-from autobatch._workload import (
+from autobatch._sizing._planner._attention import FusedAttention
+from autobatch._sizing._planner._plans import PlanBreakdown
+from autobatch._sizing._workload import (
     Batch,
     LossFn,
     OptimizerLike,
@@ -40,6 +39,7 @@ from autobatch._workload import (
     prime_optimizer,
     without_compiled,
 )
+from autobatch._validate import is_sample_factory
 
 _ATTENTION_OPS = frozenset(
     {

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
-from autobatch._backends import restore_rng_states, save_rng_states
+from autobatch._memory._backends import restore_rng_states, save_rng_states
 
 
 def modules_referenced(*objects: Any) -> list[torch.nn.Module]:
@@ -192,7 +192,7 @@ class _ModuleState:
     training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
 
 
-class Snapshot:
+class SavedState:
     """Everything a trial may change: parameters (the model's, the optimizer's and those of
     ``modules``, e.g. a loss module), gradients, buffers, ``requires_grad`` and ``training``
     flags, optimizer state and hyper-parameters, GradScaler, RNG streams.
@@ -277,7 +277,7 @@ class Snapshot:
         return set(vars(obj)), saved
 
     def restore(self) -> None:
-        """Put everything back as it was when the snapshot was taken."""
+        """Put everything back as it was when it was saved."""
         state = self.module
         for module, training in state.training:
             module.training = training

@@ -18,8 +18,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from autobatch._accounting import LIFT_FRESH, DispatchMode
-from autobatch._backends import AllocationModel, DeviceMemory
+from autobatch._memory._accounting import LIFT_FRESH, DispatchMode
+from autobatch._memory._backends import AllocationModel, DeviceMemory
 from autobatch._oom import failure_kind
 from autobatch._search import Verdicts
 
@@ -133,7 +133,7 @@ class _StepPeaks:
     so the parts' maximum is the trial's peak. Each part is affine in the batch size when the
     same operators run at every size, so the step's convex curve (the maximum of those lines)
     is known from two small trials. The phases are the parts' maxima outside ``optimizer.step``
-    (forward, backward) and inside it. Only :class:`~autobatch._backends.DeviceMemory` is
+    (forward, backward) and inside it. Only :class:`~autobatch._memory._backends.DeviceMemory` is
     asked (its peak, read and reset around each operator), so any backend with statistics
     works. The operator mode is entered last, so it wraps any other dispatch mode (a simulated
     GPU's accounting included).

@@ -21,7 +21,7 @@ from autobatch._search import LinearModel, Trial, Verdicts, trusted_curve
 from autobatch._units import format_bytes
 from autobatch._validate import check_int
 
-#: What draws a record, ``draw(record, path)``: set by :mod:`autobatch._plot` when it is
+#: What draws a record, ``draw(record, path)``: set by :mod:`autobatch._records._plot` when it is
 #: imported (as ``import autobatch`` does), so that the records know nothing of plotting and
 #: no import runs from here to there.
 DRAW: list[Callable[[Any, str | None], Any]] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from autobatch._result import DRAW, SearchResult, ThroughputResult
+from autobatch._records._result import DRAW, SearchResult, ThroughputResult
 from autobatch._units import format_bytes
 
 #: Figure size in inches, and resolution: saved PNGs are 800 x 500 pixels.

@@ -1,4 +1,4 @@
-"""The pieces of the caching-allocator model (:mod:`autobatch._allocator`): its
+"""The pieces of the caching-allocator model (:mod:`autobatch._memory._allocator`): its
 constants, rounding rules, blocks, segments, counters and pools, as the CUDA source names them.
 """
 
