@@ -1,10 +1,10 @@
 """Byte accounting of live tensor storages, shared by the simulated GPU and the planner.
 
-A :class:`StorageLedger` counts every storage it is told about exactly once (views and shared
+A :class:`StorageCount` counts every storage it is told about exactly once (views and shared
 storages are one allocation) and forgets it when the storage dies. :class:`CountingMode` is the
-``TorchDispatchMode`` that tells the ledger about the outputs of every operator, autograd's backward
+``TorchDispatchMode`` that tells the count about the outputs of every operator, autograd's backward
 operators and optimizer updates included. Sizes are rounded the way the CUDA caching allocator
-rounds them (512-byte blocks), so the ledger's numbers are comparable with
+rounds them (512-byte blocks), so the count's numbers are comparable with
 ``torch.cuda.memory_allocated``.
 """
 
@@ -40,7 +40,7 @@ def _storage_key(storage: torch.UntypedStorage) -> int:
     return int(storage._cdata)
 
 
-class StorageLedger:
+class StorageCount:
     """Live bytes, counted once per storage, with a running peak.
 
     ``block_bytes`` is the allocator's rounding (1 counts raw bytes).
@@ -58,7 +58,7 @@ class StorageLedger:
         return _storage_key(storage) in self._live
 
     def size_of(self, storage: torch.UntypedStorage) -> int:
-        """Bytes this ledger charges for ``storage`` (rounded)."""
+        """Bytes this count charges for ``storage`` (rounded)."""
         return round_allocation(storage.nbytes(), self.block_bytes)
 
     def add(self, storage: torch.UntypedStorage) -> int:
@@ -162,33 +162,33 @@ class DispatchMode(TorchDispatchMode):
 
 
 class CountingMode(DispatchMode):
-    """Tells a ledger about every storage an operator creates or grows.
+    """Tells a count about every storage an operator creates or grows.
 
-    ``check(added_bytes)`` runs after each operator that added bytes, with the ledger already
-    updated. When it returns an exception, the operator's outputs are dropped (so the ledger is
+    ``check(added_bytes)`` runs after each operator that added bytes, with the count already
+    updated. When it returns an exception, the operator's outputs are dropped (so the count is
     back where it was before the operator) and the exception is raised from a frame that holds
-    none of them. A ledger that models an allocator may refuse a storage itself: its ``add``
+    none of them. A count that models an allocator may refuse a storage itself: its ``add``
     raises ``torch.OutOfMemoryError``, and the outputs are dropped and the error raised the
     same way.
     """
 
     def __init__(
         self,
-        ledger: StorageLedger,
+        counted: StorageCount,
         check: Callable[[int], BaseException | None] | None = None,
     ) -> None:
         super().__init__()
-        self.ledger = ledger
+        self.counted = counted
         self.check = check
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        peak_before = self.ledger.peak_bytes
+        peak_before = self.counted.peak_bytes
         out = call_keeping_versions(func, args, kwargs)
         error: BaseException | None = None
         try:
             added = self._count(func, out, args, kwargs)
         except torch.OutOfMemoryError as refused:
-            # The ledger's allocator could not place one output. Its traceback holds the
+            # The count's allocator could not place one output. Its traceback holds the
             # frames that hold the outputs: drop it. The outputs placed before that one were
             # allocated (on a GPU too), so the peak keeps them.
             error = refused.with_traceback(None)
@@ -196,7 +196,7 @@ class CountingMode(DispatchMode):
             if added > 0 and self.check is not None:
                 error = self.check(added)
                 if error is not None:  # the outputs were counted after the fact: on a GPU,
-                    self.ledger.peak_bytes = peak_before  # they were never all allocated
+                    self.counted.peak_bytes = peak_before  # they were never all allocated
         if error is not None:
             del out  # the rejected outputs die here, before the error is raised
             try:
@@ -223,15 +223,15 @@ class CountingMode(DispatchMode):
             storage = tensor.untyped_storage()
             if (
                 _storage_key(storage) in input_keys
-                and storage not in self.ledger
+                and storage not in self.counted
                 and func is not LIFT_FRESH
             ):
-                continue  # a view of a tensor this ledger does not own
-            added += self.ledger.add(storage)
+                continue  # a view of a tensor this count does not own
+            added += self.counted.add(storage)
         if _is_mutable(func):  # in-place and out= operators may grow a storage
             for tensor in inputs:
-                if _has_storage(tensor) and tensor.untyped_storage() in self.ledger:
-                    added += self.ledger.add(tensor.untyped_storage())
+                if _has_storage(tensor) and tensor.untyped_storage() in self.counted:
+                    added += self.counted.add(tensor.untyped_storage())
         return added
 
 

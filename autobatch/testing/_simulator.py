@@ -17,7 +17,7 @@ from autobatch._memory import _backends
 from autobatch._memory._accounting import (
     CUDA_BLOCK_BYTES,
     CountingMode,
-    StorageLedger,
+    StorageCount,
     _storage_key,
     storages,
 )
@@ -137,16 +137,16 @@ class SimulatedGPU:
                 # an expandable segment spans 9/8 of the device's memory (ExpandableSegment)
                 address_space=self.capacity_bytes + self.capacity_bytes // 8,
             )
-            self.ledger: StorageLedger = _AllocatorLedger(self._allocator, self._refused)
-            self._mode = _DeviceMode(self.ledger)
+            self.counted: StorageCount = _AllocatorCount(self._allocator, self._refused)
+            self._mode = _DeviceMode(self.counted)
         elif allocator == "exact":
             if expandable_segments is not None or max_split_size_mb is not None:
                 raise ValueError(
                     "expandable_segments and max_split_size_mb apply to allocator='caching' "
                     "only; pass allocator='caching'"
                 )
-            self.ledger = StorageLedger(block_bytes)
-            self._mode = _DeviceMode(self.ledger, self._check)
+            self.counted = StorageCount(block_bytes)
+            self._mode = _DeviceMode(self.counted, self._check)
         else:
             raise ValueError(f"allocator must be 'exact' or 'caching', got {allocator!r}")
         self.allocator = allocator
@@ -184,12 +184,12 @@ class SimulatedGPU:
     def allocated_bytes(self) -> int:
         """Bytes held by live counted storages."""
         self._mode.settle()
-        return self.ledger.allocated_bytes
+        return self.counted.allocated_bytes
 
     @property
     def peak_bytes(self) -> int:
         """Highest :attr:`allocated_bytes` since creation or the last :meth:`reset_peak`."""
-        return self.ledger.peak_bytes
+        return self.counted.peak_bytes
 
     @property
     def reserved_bytes(self) -> int:
@@ -197,7 +197,7 @@ class SimulatedGPU:
         (``torch.cuda.memory_reserved``); the exact model reserves what is allocated."""
         self._mode.settle()
         if self._allocator is None:
-            return self.ledger.allocated_bytes
+            return self.counted.allocated_bytes
         return self._allocator.reserved_bytes
 
     @property
@@ -205,7 +205,7 @@ class SimulatedGPU:
         """Highest :attr:`reserved_bytes` since creation or the last :meth:`reset_peak`
         (``torch.cuda.max_memory_reserved``)."""
         if self._allocator is None:
-            return self.ledger.peak_bytes
+            return self.counted.peak_bytes
         return self._allocator.peak_reserved_bytes
 
     @property
@@ -249,7 +249,7 @@ class SimulatedGPU:
         self._mode.settle()
         if self._allocator is not None:
             return self._allocator.stats()
-        allocated, peak = self.ledger.allocated_bytes, self.ledger.peak_bytes
+        allocated, peak = self.counted.allocated_bytes, self.counted.peak_bytes
         return {
             "allocated_bytes.all.current": allocated,
             "allocated_bytes.all.peak": peak,
@@ -289,7 +289,7 @@ class SimulatedGPU:
 
     def reset_peak(self) -> None:
         """Start new peak measurements (allocated and reserved) from the current values."""
-        self.ledger.reset_peak()
+        self.counted.reset_peak()
 
     def adopt(self, *objects: Any) -> int:
         """Count tensors that existed before the simulator did; returns the bytes added.
@@ -298,13 +298,13 @@ class SimulatedGPU:
         tensors and containers of them. Adopting twice counts once. Adopting more than the
         capacity raises the same out-of-memory error as an operator would.
         """
-        added = sum(self.ledger.add(storage) for storage in storages(objects))
+        added = sum(self.counted.add(storage) for storage in storages(objects))
         if self._allocator is None and self.allocated_bytes + self.used_elsewhere > self.capacity_bytes:
             raise self._error(added)
         return added
 
     def _check(self, added: int) -> BaseException | None:
-        if self.ledger.allocated_bytes + self.used_elsewhere <= self.capacity_bytes:
+        if self.counted.allocated_bytes + self.used_elsewhere <= self.capacity_bytes:
             return None
         self.oom_count += 1
         return self._error(added)
@@ -360,12 +360,12 @@ class SimulatedGPU:
         on this thread); a growth that does not fit is undone and raises CUDA's error."""
         if self._mode not in _get_current_dispatch_mode_stack():
             return
-        if storage not in self.ledger and not storage.nbytes():
+        if storage not in self.counted and not storage.nbytes():
             return  # (a storage this simulator never counted, freed)
         error: BaseException | None = None
-        peak = self.ledger.peak_bytes
+        peak = self.counted.peak_bytes
         try:
-            added = self.ledger.add(storage)
+            added = self.counted.add(storage)
         except torch.OutOfMemoryError as refused:  # the allocator model found no room
             error = refused.with_traceback(None)
         else:
@@ -374,8 +374,8 @@ class SimulatedGPU:
         if error is not None:  # as on a GPU, the storage keeps its old size
             _RESIZE(storage, old)
             if self._allocator is None:
-                self.ledger.add(storage)
-                self.ledger.peak_bytes = peak
+                self.counted.add(storage)
+                self.counted.peak_bytes = peak
             raise error
 
     def _memory_for(self, device: torch.device) -> _backends.DeviceMemory | None:
@@ -442,9 +442,9 @@ class _DeviceMode(CountingMode):
     """
 
     def __init__(
-        self, ledger: StorageLedger, check: Callable[[int], BaseException | None] | None = None
+        self, counted: StorageCount, check: Callable[[int], BaseException | None] | None = None
     ) -> None:
-        super().__init__(ledger, check)
+        super().__init__(counted, check)
         self.leftovers: BackwardLeftovers | None = None
         self.thread = 0
         self.backward_ran = False
@@ -473,8 +473,8 @@ class _DeviceMode(CountingMode):
         return super().dispatch(func, args, kwargs)
 
 
-class _AllocatorLedger(StorageLedger):
-    """A ledger whose storages are blocks of the caching-allocator model.
+class _AllocatorCount(StorageCount):
+    """A count whose storages are blocks of the caching-allocator model.
 
     A new storage is one ``malloc`` of its size; its death frees the block. It is charged its
     block's size. A storage that changed size in place is given a new block before the old one
@@ -620,11 +620,11 @@ class SimulatedMemory(_backends.DeviceMemory):
         return self.gpu.capacity_bytes
 
     def uncounted_bytes(self, objects: Iterable[Any]) -> int:
-        ledger = self.gpu.ledger
+        counted = self.gpu.counted
         return sum(
-            ledger.size_of(storage)
+            counted.size_of(storage)
             for storage in storages(list(objects))
-            if storage.device.type == self.device.type and storage not in ledger
+            if storage.device.type == self.device.type and storage not in counted
         )
 
     def allocated_bytes(self) -> int:

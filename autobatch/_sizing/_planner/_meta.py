@@ -19,7 +19,7 @@ from autobatch import _batch
 from autobatch._errors import AutobatchError
 from autobatch._memory._accounting import (
     CountingMode,
-    StorageLedger,
+    StorageCount,
     _storage_key,
     storages,
 )
@@ -58,8 +58,8 @@ _COPIES_REAL = frozenset(
 )
 
 
-class _PlanLedger(StorageLedger):
-    """A ledger that counts only the planned device's storages (``meta`` stands for the device)
+class _PlanCount(StorageCount):
+    """Counts the planned device's storages only (``meta`` stands for the device)
     and, when asked, remembers which storages were alive at its peak."""
 
     def __init__(self, block_bytes: int, device_types: frozenset[str]) -> None:
@@ -71,7 +71,7 @@ class _PlanLedger(StorageLedger):
         self._next_serial = 0
 
     def charge(self, storage: torch.UntypedStorage) -> int:
-        """The bytes this ledger counts for ``storage`` (0 for storages off the device)."""
+        """The bytes charged for ``storage`` (0 for storages off the device)."""
         return self.size_of(storage) if storage.device.type in self.device_types else 0
 
     def add(self, storage: torch.UntypedStorage) -> int:
@@ -106,8 +106,8 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
     """The plan's counting mode: it also remembers the operator running (and the backward node),
     and refuses operators on real data, so the step can never read or change a real tensor."""
 
-    def __init__(self, ledger: StorageLedger, *, real: bool = False) -> None:
-        super().__init__(ledger)
+    def __init__(self, counted: StorageCount, *, real: bool = False) -> None:
+        super().__init__(counted)
         self.op: Any = None
         self.failed_op: Any = None
         self.node: str | None = None
@@ -115,7 +115,7 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
         self.real = real  # real CPU copies: tensors of the copies and of the step only
         self.segments: list[int] | None = None  # per-operator peaks, while recorded
         self.foreign = False  # the step used a tensor from outside the planner's copies
-        self.known: set[int] = set()  # storages of the copies the ledger does not count
+        self.known: set[int] = set()  # storages of the copies left out of the count
 
     def _foreign(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` comes from outside the copies (the user's own model, say)."""
@@ -124,7 +124,7 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
         if tensor.layout is not torch.strided or tensor.is_nested:
             return False
         storage = tensor.untyped_storage()
-        return storage not in self.ledger and _storage_key(storage) not in self.known
+        return storage not in self.counted and _storage_key(storage) not in self.known
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.op = func
@@ -133,8 +133,8 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
         if func in _ATTENTION_OPS:
             self.attention = True
         if self.segments is not None:  # a new operator: the segment before it ends
-            self.segments.append(self.ledger.peak_bytes)
-            self.ledger.reset_peak()
+            self.segments.append(self.counted.peak_bytes)
+            self.counted.reset_peak()
         if func not in _COPIES_REAL:
             for value in tree_flatten((args, kwargs))[0]:
                 if (
@@ -329,8 +329,8 @@ class _MetaSetup:
         self.step = TrainingStep(
             self.model, self.optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train
         )
-        self.ledger = _PlanLedger(block_bytes, frozenset({"cpu"} if real else {"meta", device_type}))
-        self.mode = _PlanMode(self.ledger, real=real)
+        self.counted = _PlanCount(block_bytes, frozenset({"cpu"} if real else {"meta", device_type}))
+        self.mode = _PlanMode(self.counted, real=real)
         self.attention: contextlib.AbstractContextManager[Any] = (  # (on meta tensors only)
             FusedAttention() if device_type == "cpu" else contextlib.nullcontext()
         )
@@ -341,7 +341,7 @@ class _MetaSetup:
         with self._running("while creating the optimizer state"):
             held = [self.model] if self.optimizer is None else [self.model, self.optimizer]
             for storage in storages(held):
-                self.ledger.add(storage)
+                self.counted.add(storage)
             if self.optimizer is not None:
                 prime_optimizer(self.optimizer)  # the steady state: optimizer state resident
 
@@ -405,20 +405,20 @@ class _MetaSetup:
         )
 
     def _run(self, batch: Batch, n: int, *, record: bool = False) -> int:
-        ledger = self.ledger
+        counted = self.counted
         with self._running(f"at batch size {n}"):
-            ledger.reset_peak()
-            ledger.record_peak = record
+            counted.reset_peak()
+            counted.record_peak = record
             if record:
-                ledger.snapshot()
+                counted.snapshot()
             for tensor in _batch.tensors(batch):
-                ledger.add(tensor.untyped_storage())
+                counted.add(tensor.untyped_storage())
             try:
                 self.step(batch)
             finally:
                 self.step.forget()  # (one step at a time is planned)
-                ledger.record_peak = False
-        return ledger.peak_bytes
+                counted.record_peak = False
+        return counted.peak_bytes
 
     def _drop_gradients(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -445,7 +445,7 @@ class _MetaSetup:
         self.mode.segments = segments = []
         try:
             peak = self._run(batch, n)
-            segments.append(self.ledger.peak_bytes)
+            segments.append(self.counted.peak_bytes)
         finally:
             self.mode.segments = None
             del batch
@@ -475,10 +475,10 @@ class _MetaSetup:
                         continue
                     storage = tensor.untyped_storage()
                     key = _storage_key(storage)
-                    if key in seen or (at_peak and not self.ledger.alive_at_peak(storage)):
+                    if key in seen or (at_peak and not self.counted.alive_at_peak(storage)):
                         continue
                     seen.add(key)
-                    bytes_ += self.ledger.charge(storage)
+                    bytes_ += self.counted.charge(storage)
                 return bytes_
 
             params = list(self.model.parameters())
