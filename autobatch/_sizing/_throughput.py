@@ -22,7 +22,7 @@ from autobatch._log import get_logger
 from autobatch._memory._backends import DeviceLike, DeviceMemory, free_memory, memory_for
 from autobatch._records._result import SearchResult, ThroughputPoint, ThroughputResult
 from autobatch._sizing._finder import search_batch_size
-from autobatch._sizing._trial import attempt, prepared
+from autobatch._sizing._trial import failure_of, prepared
 from autobatch._sizing._workload import (
     DEFAULT_HEADROOM,
     Batch,
@@ -97,7 +97,7 @@ class _Timer:
                 self.memory.synchronize()
                 times.append(time.perf_counter() - start)
 
-        return attempt(run)
+        return failure_of(run)
 
     def __call__(self, size: int) -> ThroughputPoint:
         times: list[float] = []

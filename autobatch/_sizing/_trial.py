@@ -159,9 +159,9 @@ def _warn_uncounted(
         )
 
 
-def attempt(run: Callable[[], None]) -> str | None:
+def failure_of(run: Callable[[], None]) -> str | None:
     """Runs ``run``; returns None, or the kind of a batch-size-dependent failure (an OOM or a
-    size limit). Any other error propagates. The failed attempt's tensors die with ``run``'s
+    size limit). Any other error propagates. A failed run's tensors die with ``run``'s
     frame and the exception, both gone once this returns: clean up after it, not inside."""
     try:
         run()
@@ -266,7 +266,7 @@ class TrialRunner:
         self.records: list[Trial] = []
         self._storage_trials: list[tuple[StorageTrial, Any]] = []  # fits, with their shape
 
-    def _attempt(
+    def _run(
         self, size: int, peaks: _StepPeaks, steady: _SteadyState, watched: int
     ) -> str | None:
         """Runs the trial (``watched`` steps inside ``peaks``, then ``steady``'s); returns
@@ -296,7 +296,7 @@ class TrialRunner:
             grew = peaks.reserved is not None and (before is None or peaks.reserved > before)
             steady.run(next_step, peaks.reserved, grew and watched > 1)
 
-        return attempt(run)
+        return failure_of(run)
 
     def __call__(self, size: int) -> Trial:
         self.cleanup()
@@ -310,7 +310,7 @@ class TrialRunner:
         # where the allocator caches, the steps a size must survive are all watched
         watched = max(self.steps_per_trial, CACHING_STEPS) if caches else self.steps_per_trial
         start = time.perf_counter()
-        error = self._attempt(size, peaks, steady, watched)
+        error = self._run(size, peaks, steady, watched)
         seconds = time.perf_counter() - start
         events = None if peaks.storages is None else list(peaks.storages.events)
         peak: int | None = None
