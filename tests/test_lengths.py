@@ -425,17 +425,19 @@ def test_predicted_policy_is_exact_from_any_start(start: int, multiple_of: int) 
     assert without.largest_fit == outcome.largest_fit
 
 
-def _table_on_rank(rank: int) -> dict[str, Any]:
+def _table_on_rank(rank: int, headroom: float = 0) -> dict[str, Any]:
     torch.manual_seed(0)
     model = transformer(d_model=16, layers=1)
     with SimulatedGPU("3MiB") as gpu:
         gpu.adopt(model)
         held = torch.zeros(64 * 1024 * rank)  # rank 1 holds 256 KiB more: its peaks differ
         table = search_batch_sizes(model, _sample_for, [8, 16, 32], torch.optim.SGD,
-                                   loss_fn=CE, headroom=0)
+                                   loss_fn=CE, headroom=headroom)
         del held
     return {
         "sizes": [table.max_batch_size(n) for n in (8, 16, 32)],
+        "recommended": [table.batch_size(n) for n in (8, 16, 32)],
+        "notes": list(table.notes),
         "trials": [(t.length, t.size) for t in table.trials],  # (each rank's own verdicts)
         "params": [p.detach().double().sum().item() for p in model.parameters()],
     }
@@ -459,6 +461,18 @@ def test_ranks_agree_on_every_length(tmp_path: Path) -> None:
     assert results[0]["sizes"] == [fuller.max_batch_size(n) for n in (8, 16, 32)]
     for rank in results:
         assert rank["params"] == [p.detach().double().sum().item() for p in alone.parameters()]
+
+
+@pytest.mark.slow
+def test_ranks_prove_the_recommended_sizes_together_in_lockstep(tmp_path: Path) -> None:
+    """With headroom, the recommended sizes run together on every rank in lockstep (the
+    caching simulator has no expandable segments): the same sizes and notes on both ranks,
+    parameters untouched."""
+    results = run_ranks(_table_on_rank, 2, tmp_path, 0.1)
+    assert results[0]["recommended"] == results[1]["recommended"]
+    assert results[0]["notes"] == results[1]["notes"]
+    assert "ran together" in results[0]["notes"][0]
+    assert results[0]["params"] == results[1]["params"]
 
 
 def test_23_12_at_zero_slack_each_length_is_the_single_searchs_size() -> None:
