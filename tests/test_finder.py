@@ -468,6 +468,37 @@ def test_step_fn_with_grad_scaler_on_cpu_is_restored() -> None:
     assert scaler.get_scale() == 2.0**10
 
 
+def test_a_step_fns_own_optimizer_scaler_and_scheduler_are_put_back_though_not_passed() -> None:
+    """A ``step_fn`` that steps an AdamW, a GradScaler and an LR scheduler of its own
+    (closure variables, not given as ``optimizer=`` or ``scaler=``): the trials create Adam's
+    moments, move the scale and the schedule, and the search puts all three back."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = WORKLOADS["mlp"].sample(4)
+    before = _everything(model, opt, scaler)
+    scheduled = schedule.state_dict()
+
+    def step(m: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, target = batch
+        opt.zero_grad()
+        loss = CE(m(inputs), target)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        schedule.step()
+        return loss
+
+    with SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model, opt)
+        result = search_batch_size(model, (x, y), step_fn=step)
+    assert result.max_batch_size > 1
+    assert not opt.state  # (the trials made Adam's moments)
+    _assert_same(before, _everything(model, opt, scaler))
+    _assert_equal(scheduled, schedule.state_dict(), "scheduler")
+
+
 @pytest.mark.slow
 def test_callable_sample_builds_the_worst_case() -> None:
     model = WORKLOADS["transformer"].model()

@@ -18,19 +18,38 @@ from autobatch._memory._backends import restore_rng_states, save_rng_states
 def modules_referenced(*objects: Any) -> list[torch.nn.Module]:
     """Modules among ``objects`` and among the names their code refers to (globals and
     closure variables of functions): a loss module, or the modules a step function uses."""
-    found: dict[int, torch.nn.Module] = {}
+    return _referenced(torch.nn.Module, objects)
+
+
+def state_referenced(*objects: Any) -> list[Any]:
+    """Optimizers, GradScalers and LR schedulers the code of ``objects`` refers to (globals and
+    closure variables): those a ``step_fn`` steps, whose state a trial changes as it does the
+    model's.
+
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    >>> state_referenced(lambda model, batch: opt.step()) == [opt]
+    True
+    """
+    return _referenced(
+        (torch.optim.Optimizer, torch.amp.GradScaler, torch.optim.lr_scheduler.LRScheduler),
+        objects,
+    )
+
+
+def _referenced(kind: Any, objects: tuple[Any, ...]) -> list[Any]:
+    found: dict[int, Any] = {}
     for obj in objects:
-        if isinstance(obj, torch.nn.Module):
+        if isinstance(obj, kind):
             found[id(obj)] = obj
             continue
-        if not callable(obj):
+        if not callable(obj) or isinstance(obj, torch.nn.Module):
             continue
         try:
             names = inspect.getclosurevars(inspect.unwrap(obj))
         except (TypeError, ValueError):
             continue
         for value in (*names.nonlocals.values(), *names.globals.values()):
-            if isinstance(value, torch.nn.Module):
+            if isinstance(value, kind):
                 found[id(value)] = value
     return list(found.values())
 

@@ -31,7 +31,7 @@ from autobatch._memory._measure import (
 )
 from autobatch._oom import failure_kind
 from autobatch._search import Trial
-from autobatch._sizing._state import SavedState, modules_referenced
+from autobatch._sizing._state import SavedState, modules_referenced, state_referenced
 from autobatch._sizing._workload import (
     Batch,
     LossFn,
@@ -101,9 +101,13 @@ def prepared(
         )
     made = make_optimizer(optimizer if train else None, model)
     _warn_uncounted(memory, model, made if made is optimizer else None)
+    referenced = state_referenced(loss_fn, step_fn)  # (what a step_fn steps is put back too)
     saved_state = SavedState(
-        model, made, tuple(x for x in (scaler,) if x is not None),
+        model, made,
+        tuple({id(x): x for x in (scaler, *referenced) if x is not None
+               and not isinstance(x, torch.optim.Optimizer)}.values()),
         modules=tuple(m for m in modules_referenced(loss_fn, step_fn) if m is not model),
+        optimizers=tuple(x for x in referenced if isinstance(x, torch.optim.Optimizer)),
     )
     compiled = is_compiled(model)
     under_mode = bool(_get_current_dispatch_mode_stack())
