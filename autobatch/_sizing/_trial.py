@@ -48,7 +48,7 @@ logger = get_logger("trial")
 
 
 @dataclass(frozen=True)
-class Workload:
+class TrialSetup:
     """What a front-end runs trials with: the step, and the optimizer it steps (if any)."""
 
     model: nn.Module
@@ -86,7 +86,7 @@ def prepared(
     loss_fn: LossFn | None,
     step_fn: StepFn | None,
     scaler: Any,
-) -> Iterator[Workload]:
+) -> Iterator[TrialSetup]:
     """The one setup and teardown around trials: the optimizer made, everything a trial may
     change saved (:class:`~autobatch._sizing._state.SavedState`), the model in eval mode for inference
     and, where it was in eval mode as a whole, in train mode for training;
@@ -121,7 +121,7 @@ def prepared(
             "measured. The model stays compiled",
             stacklevel=user_stacklevel(),
         )
-    work = Workload(
+    work = TrialSetup(
         runs,
         made,
         TrainingStep(runs, made, loss_fn=loss_fn, step_fn=step_fn, train=train, scaler=scaler),
