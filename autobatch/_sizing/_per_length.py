@@ -352,9 +352,10 @@ def _proven_together(
     a size that trains alone can run out of memory among other lengths. So the user's loop
     runs, from the state the user has, one step at each length in turn after every other one
     (each ordered pair of lengths once: ``k * k + 1`` steps for ``k`` lengths), once starting
-    from each length, since the first step decides where the optimizer's state lies. A length
-    that runs out is lowered by half the headroom (one grid step at least) and the run is
-    repeated, until every start runs through. Every other step is a batch closed early, as a
+    from each length, since the first step decides where the optimizer's state lies. When a
+    step runs out, every length's size is lowered by half the headroom (one grid step at least:
+    lowering only the length that failed moved the failures to another) and every start runs
+    again, until all of them run through. Every other step is a batch closed early, as a
     sampler's last batch of a length is (a random share of the size, one row at the least),
     the steps at full size alternating from one start to the next.
     Returns the results, lowered where needed, and the table's note.
