@@ -106,6 +106,22 @@ def room(memory: DeviceMemory) -> int | None:
     return memory.free_bytes()
 
 
+def _segmented_room(memory: DeviceMemory, phases: _PhasePeaks) -> int | None:
+    """Bytes a piece may add, as the piece that just ran measured them: under a caching
+    allocator its live tensors run out where the segments do, at the capacity divided by the
+    reserved bytes per allocated byte at its peak (as the finder's ``allocated_capacity``);
+    the free bytes where the backend caches nothing (``None`` without statistics).
+
+    A refinement from the free bytes alone overshot after the first OOM (the next piece ran
+    out again in 4 of 17 and 7 of 13 first recoveries of ``bench_guard``'s MLP and transformer).
+    """
+    free = room(memory)
+    if free is None or phases.reserved is None or not phases.peak:
+        return free
+    share = max(phases.reserved / phases.peak, 1.0)
+    return max(min(free, int(memory.capacity_bytes() / share) - memory.allocated_bytes()), 0)
+
+
 class _BatchRun:
     """One batch in pieces: how much is done, what each piece returned (and its weight),
     whether an optimizer of the step's own stepped, the accumulation session of a split
@@ -321,7 +337,7 @@ class _BatchRun:
             self.pieces.append((n, result, weight))
             self.done += n
             refined = None if chunk is not None else engine.sizes.after_piece(
-                self.key, self.eps, n, room(memory))
+                self.key, self.eps, n, _segmented_room(memory, phases))
             if refined is not None:
                 engine.size_changed(*refined, "refine")
             return
