@@ -884,6 +884,20 @@ def test_sizes_after_oom_never_reach_the_failed_size() -> None:
     assert (old, new) == (8, 4)  # no statistics: halve
 
 
+def test_a_rough_refinement_reaches_at_most_four_times_the_measured_piece() -> None:
+    """One measured piece gives a rough model (its bytes per row, its segments' share): the
+    refinement after it stops at 4 times that piece, however much room the model sees; once
+    three sizes fit a line, the model's size stands."""
+    sizes = _Sizes(min_batch=1, grow_after=None, headroom=0.0)
+    _, new, _ = sizes.after_oom("k", 1, 1024, room=10_000_000)  # (no model: a measuring piece)
+    assert new == 128
+    sizes.record("k", 1, 128, cost=128 * 1000)
+    assert sizes.after_piece("k", 1, 128, room=900_000) == (128, 512)  # the model said 900
+    for n in (256, 384):
+        sizes.record("k", 1, n, cost=n * 1000)
+    assert sizes.after_piece("k", 1, 512, room=900_000) == (512, 900)  # fitted: no reach
+
+
 def test_many_equal_pieces_keep_the_fitted_model() -> None:
     """Points are kept per distinct size: a long run of equal pieces (balanced splits) must not
     push the other sizes out and turn a fitted model back into a rough one."""

@@ -17,6 +17,9 @@ MIN_FIT_SIZES = 3
 #: Where the memory model was misled (segments), the pieces stop bisecting up once the gap to
 #: the smallest size that failed is at most this fraction of the largest that ran.
 MISLED_GAP = 8
+#: A size refined from a rough model (fewer than MIN_FIT_SIZES sizes measured) is at most this
+#: many times the piece it was measured on.
+ROUGH_REACH = 4
 #: How many batch shapes keep their own piece size (the least recently used is forgotten).
 MAX_SHAPES = 256
 
@@ -228,6 +231,8 @@ class _Sizes:
         size, fitted = found
         state.refine = not fitted
         cap = math.inf if state.ceiling is None else state.ceiling - 1
+        if not fitted:  # (one piece's bytes per row, and its segments' share, said little further)
+            cap = min(cap, ROUGH_REACH * n)
         if state.misled and state.ceiling is not None:
             # Bytes did not tell where memory runs out (the allocator's segments): halve the
             # gap between the largest piece that ran and the smallest that failed instead,
