@@ -11,7 +11,9 @@ backward and step; the layers after the first under a reentrant or a plain check
 first layer unfrozen inside the step; state first written on a later call, the loop having
 replaced a buffer, added a module or made a new metric between calls; another thread
 training its own guarded step meanwhile; a loss that couples the batch's rows: in-batch
-negatives, the hardest row, a mean over labelled rows without ``items=``) and an OOM schedule of
+negatives, the hardest row, a mean over labelled rows without ``items=``; four whole calls
+before, after which the checked call adds to the gradients the others dropped first) and an
+OOM schedule of
 :func:`autobatch.testing.check_split` (in forward; in backward after a fold, in an early piece
 or the last; for the whole batch on the fast path; in the optimizer's first step). Each run
 must be exact, or refused with an :class:`~autobatch.AutobatchError` that left every value as
@@ -63,6 +65,8 @@ class Parts:
     later: str = "none"  # between calls the loop: "buffer" replaced, "module" added, "metric" new
     thread: bool = False  # another thread trains its own guarded step meanwhile
     coupled: str = "none"  # the loss mixes the batch's rows: "pairs", "max", "count"
+    warm: bool = False  # four calls ran whole before (the fast path has learned the step)
+    keep: bool = False  # the checked call skips the zeroing at its start that the warm ones did
 
     def refused(self) -> bool:
         """Whether autobatch must refuse this step (it cannot replay it exactly)."""
@@ -89,6 +93,9 @@ def parts(draw: Any) -> Parts:
     schedule = draw(st.sampled_from(
         ["forward", "backward", "backward_last", "optimizer", "fast_forward", "fast_backward"]
     ))
+    accumulate = not fused and optimizers > 0 and draw(st.booleans())
+    zero = draw(st.sampled_from(["start", "start_keep", "end", "end_keep"]))
+    warm = draw(st.booleans())
     return Parts(
         optimizers=optimizers,
         fused=fused,
@@ -104,9 +111,9 @@ def parts(draw: Any) -> Parts:
         scaler="none" if simple else draw(st.sampled_from(["none", "given", "not given"])),
         batchnorm=batchnorm,
         dropout=draw(st.booleans()),
-        accumulate=not fused and optimizers > 0 and draw(st.booleans()),
+        accumulate=accumulate,
         schedule=schedule,
-        zero=draw(st.sampled_from(["start", "start_keep", "end", "end_keep"])),
+        zero=zero,
         reader=draw(st.booleans()),
         # (a checkpoint recomputes BatchNorm's forward: its statistics update twice, which
         # the check's truth, normalising the same micro-batches, does not model)
@@ -119,6 +126,8 @@ def parts(draw: Any) -> Parts:
             [] if ema in ("closure", "self") else ["module"]))),
         thread=draw(st.booleans()) and draw(st.booleans()),
         coupled=draw(st.sampled_from(["none"] * 9 + ["pairs", "max", "count"])),
+        warm=warm,
+        keep=warm and zero.startswith("start") and not accumulate and draw(st.booleans()),
     )
 
 
@@ -233,9 +242,10 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
     tail = nn.Sequential(*list(model)[1:])  # (the same modules)
 
     def step(self: Any, batch: tuple[torch.Tensor, torch.Tensor, bool]) -> torch.Tensor:
-        x, y, stepping = batch  # (the accumulation window ends: one value per batch)
+        x, y, stepping, adds = batch  # (per batch: the accumulation window ends; the
+        # gradients the last call left are added to)
         keep = {"set_to_none": not p.zero.endswith("_keep")}
-        if not p.accumulate and p.zero.startswith("start"):
+        if not p.accumulate and p.zero.startswith("start") and not adds:
             for opt in optimizers:
                 opt.zero_grad(**keep)
         if p.unfreeze:
@@ -301,13 +311,15 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
     return step.__get__(holder)  # a bound method: ``self`` is the holder
 
 
-def _batch(p: Parts, seed: int, stepping: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _batch(
+    p: Parts, seed: int, stepping: bool = True, adds: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
     g = torch.Generator().manual_seed(seed + 100 * (not stepping))
     x = torch.randn(12, 4, generator=g)
     y = torch.randint(0, 3, (12,), generator=g)
     if p.items or p.coupled == "count":  # (labelled rows, some not: a count of content)
         y[torch.rand(12, generator=g) < 0.3] = -100
-    return x, y, stepping
+    return x, y, stepping, adds
 
 
 class _Background:
@@ -382,14 +394,14 @@ def test_a_composed_step_is_exact_or_refused_with_the_state_unchanged(p: Parts, 
             options["scaler"] = world["scaler"]
         if p.items:
             options["items"] = lambda b: (b[1] != -100).sum()
-        before: list[Any] = []
+        before: list[Any] = [_batch(p, seed + 20 + i) for i in range(4 if p.warm else 0)]
         if p.later != "none":  # a first call, then the loop's epoch start
             before += [_batch(p, seed + 7), lambda: _epoch_start(p, world)]
         if p.accumulate:  # the window's first call accumulates, the checked one steps
             before.append(_batch(p, seed, stepping=False))
         options["before"] = before
         with _Background(seed) if p.thread else contextlib.nullcontext():
-            report = check_split(_step(p, world), _batch(p, seed), **options)
+            report = check_split(_step(p, world), _batch(p, seed, adds=p.keep), **options)
     finally:
         torch.set_default_dtype(old)
         for handle in world["handles"]:
@@ -411,6 +423,14 @@ def test_a_composed_step_is_exact_or_refused_with_the_state_unchanged(p: Parts, 
             # documented: gradients the step zeroed in place on the fast path stay zero
             # (on the fast path: the first call of a check with earlier calls runs on it too)
             assert p.zero == "start_keep", (p, str(report))
+            continue
+        if "not kept apart" in schedule.refusal:
+            # documented: after calls that dropped the gradients first, a whole batch that
+            # adds to them and runs out of memory in backward leaves its partial sum in them
+            assert p.keep, (p, str(report))
+            assert schedule.name == "fast_backward", (p, str(report))
+            assert all(d.what.startswith("gradient ") for d in schedule.differences), (
+                p, str(report))
             continue
         if "may stay changed" in schedule.refusal:
             # documented: state first changed by a whole batch that ran out of memory

@@ -13,6 +13,7 @@ import torch
 from autobatch._recovery import _thrash, oom_guard, retry_on_oom
 from autobatch._recovery._thrash import THRASH_STEPS
 from autobatch.testing import SimulatedGPU
+from autobatch.testing._simulator import SimulatedMemory
 
 MiB = 1 << 20
 
@@ -51,6 +52,32 @@ def test_retries_in_step_after_step_shrink_the_batch_before_it_runs_out() -> Non
     assert all(grew[:THRASH_STEPS])  # it thrashed until the watch saw enough steps
     # one more retry as pieces of 10 move in (the 40 MiB segment released), then never again
     assert not any(grew[THRASH_STEPS + 1 :])
+
+
+def test_a_still_retry_count_is_read_every_few_steps_then_after_every_step_once_it_rises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA's retry count comes from ``memory_stats`` (a dictionary built per read, tens of
+    microseconds): a step that never retries reads it once every ``THRASH_EVERY`` steps; once it
+    rises, after every step, so thrashing is still met within a few steps of its start."""
+    reads = []
+    real = SimulatedMemory.alloc_retries
+
+    def counted(self: SimulatedMemory) -> int:
+        reads.append(1)
+        return real(self)
+
+    monkeypatch.setattr(SimulatedMemory, "alloc_retries", counted)
+    with SimulatedGPU("48MiB", allocator="caching"):
+        step = retry_on_oom(policy="shrink")(_fragmenting)
+        calls = 8 * _thrash.THRASH_EVERY
+        for _ in range(calls):
+            step(torch.zeros(10, 1))  # no retry
+        assert len(reads) <= calls // _thrash.THRASH_EVERY + 2
+        assert step.stats.changes == 0
+        for _ in range(_thrash.THRASH_EVERY + THRASH_STEPS):
+            step(torch.zeros(20, 1))  # a retry in every step
+    assert [c.reason for c in step.stats.history] == ["thrashing"]
 
 
 def test_no_thrashing_no_change_and_no_watch_without_a_caching_allocator() -> None:

@@ -247,6 +247,66 @@ def test_two_threads_with_their_own_steps_are_independent_and_exact(oom: bool) -
 
 
 
+def _drops_first_until(
+    keeps: set[int], fault: str | None, at_calls: set[int], calls: int = 10
+) -> tuple[nn.Module, list[str]]:
+    """A step that drops the gradients first (``zero_grad()``) on every call but those in
+    ``keeps``, where it adds to the ones the last call left; returns the model and the
+    refusals met (the loop goes on after one, as a user's would)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    keep = [False]
+
+    def step(batch: Any) -> torch.Tensor:
+        if not keep[0]:
+            opt.zero_grad()
+        loss = _loss(model, batch)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    guarded = retry_on_oom(optimizer=opt)(step) if fault is not None else step
+    faults = _faults() if fault is not None else {}
+    refusals = []
+    for call in range(calls):
+        keep[0] = call in keeps
+        batch = _data(call)
+        try:
+            if fault is not None and call in at_calls:
+                with faults[fault]():
+                    guarded(batch)
+            else:
+                guarded(batch)
+        except AutobatchError as exc:
+            refusals.append(str(exc))
+    return model, refusals
+
+
+@pytest.mark.parametrize("fault", FAULTS[:2])
+def test_a_step_that_stops_dropping_its_gradients_first_is_refused_then_kept_apart(
+    fault: str,
+) -> None:
+    """After calls that drop the gradients first, the fast path stops keeping the carried ones
+    apart from backward (that costs more than the step's own Python). A call that adds to
+    them all the same and runs out of memory in backward after some gradients landed left
+    that partial sum in them and trained on (params off by 7e-3): now it is refused, saying
+    so, and a call that adds to them without running out of memory makes later calls keep
+    them apart again, exact."""
+    truth, _ = _drops_first_until({7}, None, set())
+    got, refusals = _drops_first_until({7}, fault, {7})
+    if fault == "forward":  # (nothing reached the gradients: exact)
+        assert refusals == []
+        _assert_same(got, truth)
+    else:
+        assert len(refusals) == 1
+        assert "not kept apart" in refusals[0], refusals
+        assert "stay changed" in refusals[0], refusals
+    truth, _ = _drops_first_until({6, 8}, None, set())
+    got, refusals = _drops_first_until({6, 8}, fault, {8})
+    assert refusals == []
+    _assert_same(got, truth)
+
+
 def _split_step(model: nn.Module, opt: torch.optim.Optimizer, fail: str) -> Callable[..., Any]:
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)

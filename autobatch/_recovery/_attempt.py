@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import operator
 import sys
 import weakref
@@ -39,6 +40,7 @@ from autobatch._recovery._rules import Kind, Seen
 
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 _GRAD = operator.attrgetter("grad")
+_DEREF = weakref.ref.__call__  # (mapped over weak references: their objects, or None)
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,7 @@ def _put_gradients(saved: tuple[list[torch.Tensor], list[Any]]) -> None:
         if p.grad is not grad:
             p.grad = grad
 _NOTHING: list[Any] = []  # (shared, never appended to)
+_NONES = itertools.repeat(None)
 
 
 class _Host(Protocol):
@@ -338,7 +341,8 @@ class _Attempt:
     its backward (:func:`_carrying_backward`)."""
 
     __slots__ = (
-        "batch_versions", "carried", "carried_into", "engine", "firsts", "light",
+        "apart", "batch_versions", "carried", "carried_into", "carried_refs", "engine", "firsts",
+        "light",
         "ours_stepped", "params", "patch", "stepped", "token", "undo", "versions",
         "versions_carried", "zeroed",
     )
@@ -386,18 +390,20 @@ class _Attempt:
                 break
         else:
             undo.entries["gradients"] = _Kept(_put_gradients, (params, grads))
-            self.carried = self.versions_carried = _NOTHING
+            self.carried = self.carried_refs = self.versions_carried = _NOTHING
+            self.apart = False
             return
         undo.keep("gradients", (params, [
             None if g is None else weakref.ref(g) for g in grads]), _put_gradients)
         known = self.engine.known
-        if not (carry or known.carries) or (known.drops_first >= 3 and not known.carries):
-            self.carried = self.versions_carried = _NOTHING
+        if not (carry or known.carries):
+            self.carried = self.carried_refs = self.versions_carried = _NOTHING
+            self.apart = False
             return
-        self.carried = [
-            (p, weakref.ref(g)) for p, g in zip(params, grads, strict=True) if g is not None
-        ]
+        self.carried = [p for p, g in zip(params, grads, strict=True) if g is not None]
+        self.carried_refs = [weakref.ref(g) for g in grads if g is not None]
         self.versions_carried = [g._version for g in grads if g is not None]
+        self.apart = known.carries or known.drops_first < 3
 
     def again(self, params: list[torch.Tensor]) -> None:
         """Begin anew, for the fast path's next call: a light attempt (nothing copied) that
@@ -417,15 +423,13 @@ class _Attempt:
         kept = self.undo.entries["gradients"]  # (a light attempt keeps nothing else)
         assert isinstance(kept, _Kept)
         kept.value = (params, refs)
-        if self.engine.known.drops_first >= 3:  # (a light attempt's step carries none)
-            self.carried = self.versions_carried = _NOTHING
-        else:
-            self.carried = list(zip(params, refs, strict=True))
-            self.versions_carried = list(map(_VERSION, grads))
+        self.carried, self.carried_refs = params, refs
+        self.versions_carried = list(map(_VERSION, grads))
+        self.apart = self.engine.known.drops_first < 3  # (a light attempt's step carries none)
 
     def __enter__(self) -> _Attempt:
         self.token = _ATTEMPT.set(self)
-        if self.carried:
+        if self.apart:
             self.keep_carried()
         return self
 
@@ -437,7 +441,8 @@ class _Attempt:
         """Keep the gradients carried from earlier calls apart from the attempt's backward."""
         self.carried_into: list[bool] = []
         self.patch = backward_handler(functools.partial(
-            _carrying_backward, carried=self.carried, carried_into=self.carried_into))
+            _carrying_backward, carried=list(zip(self.carried, self.carried_refs, strict=True)),
+            carried_into=self.carried_into))
         self.patch.__enter__()
 
     def end(self, token: contextvars.Token[_Attempt | None] | None) -> None:
@@ -450,6 +455,20 @@ class _Attempt:
             self.patch = None
             known = self.engine.known
             known.drops_first = 0 if self.carried_into else known.drops_first + 1
+
+    def ended_well(self) -> None:
+        """The attempt returned without keeping the carried gradients apart (its step dropped
+        them first in the calls before): where it added to one all the same, they are kept
+        apart again from the next call on."""
+        if self.apart or not any(map(operator.is_not, map(_DEREF, self.carried_refs), _NONES)):
+            return  # (the common case, in C: every carried gradient was dropped and freed)
+        for p, ref, version in zip(
+            self.carried, self.carried_refs, self.versions_carried, strict=True
+        ):
+            grad = ref()
+            if grad is not None and grad._version != version and p.grad is grad:
+                self.engine.known.drops_first = 0
+                return
 
     def optimizer_stepping(self, optimizer: torch.optim.Optimizer) -> None:
         self.stepped.append(optimizer)
@@ -523,7 +542,7 @@ class _Attempt:
             t._version != v for t, v in self.batch_versions
         )
         carried = False
-        for (_, ref), version in zip(self.carried, self.versions_carried, strict=True):
+        for ref, version in zip(self.carried_refs, self.versions_carried, strict=True):
             grad = ref()
             if grad is None or grad._version == version:
                 continue
@@ -531,6 +550,8 @@ class _Attempt:
                 self.zeroed = True  # (zero_grad(set_to_none=False) first: the retry zeroes it)
                 continue
             carried = True
+        if carried and not self.apart:  # (a step that dropped them first stopped doing so)
+            self.engine.known.drops_first = 0
         changed = self.changed()
         foreign = [p for p in changed if id(p) not in optimized]
         # parameters changed before any optimizer step began (Embedding(max_norm=) renormalises

@@ -243,7 +243,7 @@ class _Engine:
                 self, self._batch_tensors(args, kwargs) if known.writes_batch else None
             )
         token = _CURRENT_ATTEMPT.set(attempt)
-        if attempt.carried:
+        if attempt.apart:
             attempt.keep_carried()
         failure = None
         try:
@@ -258,6 +258,8 @@ class _Engine:
         _CURRENT_ATTEMPT.reset(token)
         if attempt.patch is not None:
             attempt.end(None)
+        elif attempt.carried:
+            attempt.ended_well()
         if attempt.light:  # (one that copied state, or failed, is not reused)
             self._spare = attempt
         self.calls += 1

@@ -272,9 +272,12 @@ def judge(
     if seen.carried:
         return AutobatchError(
             f"{name} ran out of memory ({kind}) after it had added to gradients carried from "
-            "earlier calls outside torch.autograd.backward (or in a second backward of the "
-            "same call): their sum cannot be taken apart again, so the batch is not retried. "
-            "Restore from a checkpoint"
+            "earlier calls where they were not kept apart (outside torch.autograd.backward, "
+            "in a second backward of the same call, or in the first call that kept them "
+            "after calls that dropped them first with zero_grad()): they hold part of this "
+            "batch's gradient, which cannot be taken apart again, so the batch is not "
+            "retried and they stay changed. Later calls keep them apart; zero them and skip "
+            "this batch, or restore from a checkpoint"
         )
     if inside is not None and all(inside is not o for o in ours):
         return AutobatchError(

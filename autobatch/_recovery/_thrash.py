@@ -22,6 +22,10 @@ logger = get_logger("recovery")
 #: Consecutive steps in which the allocator released its cache and retried that count as
 #: thrashing.
 THRASH_STEPS = 3
+#: Steps between two reads of the retry count while it stays still: CUDA's count is read from
+#: ``memory_stats``, a dictionary of a hundred entries built on each read (tens of
+#: microseconds, a few percent of a short step). Once it rises it is read after every step.
+THRASH_EVERY = 8
 #: At an OOM, a share of the reserved memory this large cached but unallocated is fragmentation.
 FRAGMENTED_SHARE = 0.25
 
@@ -32,8 +36,9 @@ class _Watch:
     """The allocator's retry count after each step of one decorated function.
 
     The memory backend is looked up once per device (and again when a simulated GPU is entered
-    or left): on the fast path a step costs a comparison, plus one read of the retry count where
-    the device has a caching allocator.
+    or left): on the fast path a step costs a comparison, plus, where the device has a caching
+    allocator, one read of the retry count every :data:`THRASH_EVERY` steps while it stays
+    still and after every step once it rose.
     """
 
     def __init__(self) -> None:
@@ -41,6 +46,7 @@ class _Watch:
         self._memory: DeviceMemory | None = None
         self._last: int | None = None
         self.streak = 0  # consecutive steps with new retries
+        self._wait = 0  # steps before the next read
 
     def memory(self, device: Any) -> DeviceMemory | None:
         """The backend of ``device`` when it has a caching allocator, else ``None``."""
@@ -57,7 +63,11 @@ class _Watch:
 
     def step_done(self, device: Any) -> bool:
         """A step ended: whether the allocator has retried in each of the last
-        :data:`THRASH_STEPS` steps (the count starts again after it says so)."""
+        :data:`THRASH_STEPS` reads of its count, one after each step once it rose (the count
+        starts again after it says so)."""
+        if self._wait:
+            self._wait -= 1
+            return False
         key = self._key  # (the common case without building a key: this runs on every step)
         if key is not None and key[1] == 0 and key[0] == device and not _backends._overrides:
             memory = self._memory
@@ -71,6 +81,7 @@ class _Watch:
         last, self._last = self._last, retries
         if last is None or retries <= last:
             self.streak = 0
+            self._wait = 0 if last is None else THRASH_EVERY - 1
             return False
         self.streak += 1
         if self.streak < THRASH_STEPS:
