@@ -3,6 +3,7 @@ its invariants under random request sequences."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -654,3 +655,45 @@ def test_an_allocator_rebuilt_from_its_snapshot_goes_on_as_the_original(
                 b.free(y)
         assert _shape(b) == _shape(a)
         assert _current(b) == _current(a)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    state=_STATE_OPS,
+    following=_NEXT_OPS,
+    limit=st.integers(8 * MiB, 160 * MiB),
+    expandable=st.booleans(),
+    max_split=st.sampled_from([None, 20 * MiB, 32 * MiB]),
+)
+def test_a_copy_goes_on_as_the_original_and_leaves_it_as_it_was(
+    state: list[tuple[str, int]], following: list[tuple[str, int]], limit: int,
+    expandable: bool, max_split: int | None,
+) -> None:
+    """The replay's copy (a structural one, not the generic deep copy): it goes on exactly as
+    an allocator that made the same requests itself, its blocks are its own (each old block's
+    copy in the memo), and the original stays as it was."""
+    options: dict[str, Any] = {"expandable_segments": expandable, "max_split_size": max_split}
+    a = CachingAllocator(limit, **options)
+    old = _build(state, a)
+    before = (a.blocks(), a.stats(), _shape(a))
+    memo: dict[int, object] = {}
+    b = copy.deepcopy(a, memo)
+    twins = [memo[id(block)] for block in old]
+    assert all(isinstance(t, Block) and t is not block for block, t in zip(old, twins, strict=True))
+    _check_invariants(b, {i: (t, block.requested)  # type: ignore[misc]
+                          for i, (block, t) in enumerate(zip(old, twins, strict=True))})
+    r = CachingAllocator(limit, **options)  # the same requests, made by an allocator itself
+    pairs: list[tuple[Any, Any]] = list(zip(twins, _build(state, r), strict=True))
+    made: list[tuple[Block | None, Block | None]] = []
+    for op, value in following:
+        if op == "malloc":
+            pair = (_malloc(b, value), _malloc(r, value))
+            assert (pair[0] is None) == (pair[1] is None)
+            made.append(pair)
+        elif op in ("free", "free_old") and (made if op == "free" else pairs):
+            x, y = (made if op == "free" else pairs).pop(value % len(made if op == "free" else pairs))
+            if x is not None and y is not None:
+                b.free(x)
+                r.free(y)
+        assert (b.blocks(), b.stats(), _shape(b)) == (r.blocks(), r.stats(), _shape(r))
+        assert (a.blocks(), a.stats(), _shape(a)) == before

@@ -360,11 +360,30 @@ class CachingAllocator:
         return model.peak_allocated_bytes, model.peak_reserved_bytes
 
     def __deepcopy__(self, memo: dict[int, object]) -> CachingAllocator:
+        """A structural copy (the replay makes one per size it asks, hundreds in a search:
+        the generic deep copy took four fifths of the search's replay time): every segment's
+        blocks rebuilt in address order and linked alike, the pools' keys and free blocks,
+        the freed blocks pending, the counters. Each old block maps to its copy in ``memo``,
+        as a deep copy's would."""
         clone = CachingAllocator.__new__(CachingAllocator)
         memo[id(self)] = clone
         with self._lock:
-            for key, value in self.__dict__.items():
-                setattr(clone, key, threading.Lock() if key == "_lock" else copy.deepcopy(value, memo))
+            clone.__dict__.update(self.__dict__)  # (the settings and counts: numbers)
+            clone._lock = threading.Lock()
+            for name in ("allocated_bytes_stat", "requested_bytes_stat", "reserved_bytes_stat",
+                         "allocation_stat", "segment_stat"):
+                setattr(clone, name, getattr(self, name).copy())
+            pools = {id(pool): pool.copy() for pool in (self._small, self._large)}
+            clone._small, clone._large = pools[id(self._small)], pools[id(self._large)]
+            clone._segments = {
+                base: segment.copy(pools[id(segment.pool)], memo)
+                for base, segment in self._segments.items()
+            }
+            for old in (self._small, self._large):
+                pool = pools[id(old)]
+                pool.expandable = [segment.copy(pool, memo) for segment in old.expandable]
+                pool.free = {key: memo[id(block)] for key, block in old.free.items()}  # type: ignore[misc]
+            clone._pending = [memo[id(block)] for block in self._pending]  # type: ignore[misc]
         return clone
 
     # -- allocating ------------------------------------------------------------------------

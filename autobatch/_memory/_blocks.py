@@ -119,6 +119,25 @@ class Segment:
         self.expandable = expandable
         self.head = Block(base, size, pool, self, mapped=not expandable)
 
+    def copy(self, pool: Pool, memo: dict[int, object]) -> Segment:
+        """This segment in ``pool``, its blocks copied in order and linked alike (each old
+        block's copy put in ``memo`` by the old one's id)."""
+        clone = Segment.__new__(Segment)
+        clone.base, clone.size, clone.pool, clone.expandable = (
+            self.base, self.size, pool, self.expandable)
+        block: Block | None = self.head
+        prev: Block | None = None
+        while block is not None:
+            new = Block(block.address, block.size, pool, clone, block.mapped, block.requested,
+                        block.allocated, prev)
+            if prev is None:
+                clone.head = new
+            else:
+                prev.next = new
+            memo[id(block)] = new
+            prev, block = new, block.next
+        return clone
+
     def blocks(self) -> Iterator[Block]:
         block: Block | None = self.head
         while block is not None:
@@ -144,6 +163,12 @@ class Stat:
 
     def __init__(self) -> None:
         self.current = self.peak = self.allocated = self.freed = 0
+
+    def copy(self) -> Stat:
+        clone = Stat.__new__(Stat)
+        clone.current, clone.peak, clone.allocated, clone.freed = (
+            self.current, self.peak, self.allocated, self.freed)
+        return clone
 
     def increase(self, amount: int) -> None:
         self.current += amount
@@ -178,6 +203,18 @@ class Pool:
         self.reserved_bytes = Stat()
         self.allocation = Stat()
         self.segment = Stat()
+
+    def copy(self) -> Pool:
+        """The pool's settings, statistics and sorted keys (its free blocks and expandable
+        segments are set by the allocator's copy, which copies the blocks)."""
+        clone = Pool.__new__(Pool)
+        clone.small, clone.name, clone.page = self.small, self.name, self.page
+        clone.keys = list(self.keys)
+        clone.free, clone.expandable = {}, []
+        for name in ("allocated_bytes", "requested_bytes", "reserved_bytes", "allocation",
+                     "segment"):
+            setattr(clone, name, getattr(self, name).copy())
+        return clone
 
     def insert(self, block: Block) -> None:
         key = block.size << SHIFT | block.address
