@@ -604,10 +604,13 @@ def test_recommend_proves_its_size_with_one_probe_and_none_for_a_size_known() ->
     assert asked == []  # (40 trained already)
 
 
-def test_recommend_bisects_below_a_gap_and_a_trusted_replay_skips_it() -> None:
-    """Under a caching allocator the fit map can have gaps: 60 to 95 fail where 100 trains. The
-    computed size (90) fails, and the largest size below the gap is bisected; a replay that
-    agrees with the trials names it, and one trial proves it."""
+def test_recommend_bisects_below_a_gap_and_a_trusted_replay_finds_the_nearest_fit() -> None:
+    """Under a caching allocator the fit map can have gaps: 60 to 94 fail where 95 to 100
+    train. The computed size (90) fails. Without a replay the largest size below the gap is
+    bisected. A replay that agrees with the trials names the fitting size nearest 90: none
+    down to 85 (1 - 1.5 * headroom), so the smallest above it, 95, in the band below the
+    largest (59 would leave two fifths of the rows unused); one trial proves it. Without that
+    band, the largest below the gap."""
 
     def fits(n: int) -> bool:
         return n < 60 or 95 <= n <= 100
@@ -630,7 +633,14 @@ def test_recommend_bisects_below_a_gap_and_a_trusted_replay_skips_it() -> None:
     replayed = SearchOutcome(100, 101, (
         Trial(10, True, 10_000), Trial(100, True, 100_000, curve=replay),
     ), None)
-    assert recommend(replayed, headroom=0.1, probe=probe, capacity_bytes=10**6) == 59
+    assert recommend(replayed, headroom=0.1, probe=probe, capacity_bytes=10**6) == 95
+    assert asked == [95]
+    asked.clear()
+    banded = Verdicts(lambda n: (n * 1000, n * 1000) if n < 60 or n == 100 else None)
+    alone = SearchOutcome(100, 101, (
+        Trial(10, True, 10_000), Trial(100, True, 100_000, curve=banded),
+    ), None)
+    assert recommend(alone, headroom=0.1, probe=probe, capacity_bytes=10**6) == 59
     assert asked == [59]
 
 
@@ -646,10 +656,11 @@ def test_recommend_returns_a_size_that_trained_within_its_share(
     largest: int, gaps: list[tuple[int, int]], headroom: float, multiple_of: int, replayed: bool
 ) -> None:
     """Any fit map (a largest size that trains, gaps of failing sizes below it), with or
-    without a replay: the size is on the grid, at most ``(1 - headroom)`` of the largest, a
-    size that trained (probed or among the trials) unless it is the smallest grid size, found
-    in at most ``max_probes`` probes, none at a size already known; on a map without gaps it
-    is the computed size itself."""
+    without a replay: the size is on the grid, below the largest, a size that trained (probed
+    or among the trials) unless it is the smallest grid size, found in at most
+    ``max_probes`` probes, none at a size already known; at most ``(1 - headroom)`` of the
+    largest unless a replay found none that fits from there down to ``1 - 1.5 * headroom``
+    of it; on a map without gaps it is the computed size itself."""
     assume(largest >= multiple_of)
     failing = {n for start, width in gaps for n in range(start, min(start + width, largest))}
 
@@ -673,7 +684,13 @@ def test_recommend_returns_a_size_that_trained_within_its_share(
                      capacity_bytes=largest * 10 if replayed else None)
     computed = max(multiple_of, int((1 - headroom) * largest) // multiple_of * multiple_of)
     assert size % multiple_of == 0
-    assert size <= computed
+    assert size < largest or size == multiple_of
+    near = math.floor((1 - 1.5 * headroom) * largest) // multiple_of * multiple_of
+    if size > computed:  # (an island above a gap, found by the replay)
+        assert replayed
+        below = range(max(near, multiple_of), computed + 1, multiple_of)
+        if len(below) <= 64:  # (each size asked; over more, evenly spread ones)
+            assert not any(fits(n) for n in below)
     assert fits(size) or size == multiple_of
     assert len(asked) <= 4
     if not failing:

@@ -38,8 +38,10 @@ class SearchResult:
     """What :func:`search_batch_size` found, and how.
 
     ``batch_size`` is the recommended size (the largest at most ``(1 - headroom)`` of
-    ``max_batch_size`` that trained in a trial of its own; ``max_batch_size`` when ``headroom``
-    is 0); ``max_batch_size`` the
+    ``max_batch_size`` that trained in a trial of its own; where a gap of the caching
+    allocator's fit map leaves none from there down to ``1 - 1.5 * headroom`` of it, the
+    smallest above that trained, in the band below the largest, as ``notes`` say;
+    ``max_batch_size`` when ``headroom`` is 0); ``max_batch_size`` the
     exact largest size that fits (it passed a trial, the next size up failed or is the cap). ``trials`` lists
     every trial in order; ``capacity_bytes`` the memory the search could use (the device's
     total, less what other processes hold); ``memory_model`` is the fitted

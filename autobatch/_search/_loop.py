@@ -188,9 +188,13 @@ def recommend(
     measured is probed, and one that fails (a fit map with gaps below the largest) is bisected
     downwards, between the largest size known to fit below it and it, with at most
     ``max_probes`` probes. Where the trials carry a caching allocator's replay that agrees with
-    them (``capacity_bytes`` given, see :func:`trusted_curve`), the size probed is the largest
-    at most the computed one that the replay says fits: a gap the replay sees costs no trial. Without one, the size is returned as computed. Always on the grid,
-    never below the smallest grid size and never above ``largest_fit``.
+    them (``capacity_bytes`` given, see :func:`trusted_curve`), the size probed is the one the
+    replay says fits nearest the computed one: the largest down to ``1 - 1.5 * headroom``
+    times the largest fit, else the smallest above it (an island of fitting sizes below the
+    largest: a size there keeps most of the memory, where the sizes below the gap would
+    not), else the largest below; a gap the replay sees costs no trial. Without one, the
+    size is returned as computed. Always on the grid, never below the smallest grid size and
+    never above ``largest_fit``.
 
     >>> found = SearchOutcome(largest_fit=100, smallest_fail=101, trials=(), model=None)
     >>> recommend(found, headroom=0.1, multiple_of=8)
@@ -234,7 +238,8 @@ def recommend(
     high = size + step  # the smallest known to fail above ``low``, as far as it matters
     replay = trusted_curve(trials, capacity_bytes)
     if isinstance(replay, Verdicts) and size not in known:
-        size = _replayed(replay, low, size, step)
+        floor = math.floor((1 - NEAR * headroom) * largest) // step * step
+        size = _nearest_fit(replay, low, size, top - step, max(floor, low + step), step)
         high = size + step  # (the replay's gap above it is trusted: a fit there ends it)
     probes = 0
     while low < size < high:
@@ -251,6 +256,34 @@ def recommend(
             high = size  # a gap below the largest: bisect between what fits and it
         size = max((low + high) // 2 // step * step, low + step)
     return max(low, smallest)
+
+
+#: Where the fit map has a gap at the recommended size, a size the replay says fits is looked
+#: for down to ``1 - NEAR * headroom`` times the largest, then above the recommended size.
+NEAR = 1.5
+#: The most sizes the replay is asked on each side (evenly spread over it).
+_NEAR_SIZES = 64
+
+
+def _nearest_fit(replay: Verdicts, low: int, size: int, top: int, floor: int, step: int) -> int:
+    """The grid size nearest ``size`` that the replay says fits, where it says ``size`` does
+    not (a gap in a caching allocator's fit map): the largest in ``[floor, size)``, else the
+    smallest in ``(size, top]`` (an island of fitting sizes below the largest), else the
+    largest in ``(low, floor)`` (bisected: the gaps are bands), else ``size``. Each side is
+    asked at most :data:`_NEAR_SIZES` sizes, evenly spread."""
+    if replay.peak_at(size) is not None:
+        return size
+
+    def spread(start: int, stop: int, direction: int) -> range:
+        count = (stop - start) * direction // step + 1
+        stride = max(1, -(-count // _NEAR_SIZES)) * step
+        return range(start, stop + direction, direction * stride)
+
+    for sizes in (spread(size - step, floor, -1), spread(size + step, top, 1)):
+        found = next((n for n in sizes if replay.peak_at(n) is not None), None)
+        if found is not None:
+            return found
+    return _replayed(replay, low, min(floor, size), step)
 
 
 def _replayed(replay: Verdicts, low: int, size: int, step: int) -> int:

@@ -73,7 +73,9 @@ def search_batch_size(
     Runs zero_grad, forward, loss, backward and optimizer step at the sizes a memory-model-guided
     search chooses, catches out-of-memory errors, frees memory and goes on: the largest size that
     fits is exact (it ran, the next size up ran out of memory or is ``max_batch``), and the
-    recommended size, ``(1 - headroom)`` of it, trained in a trial of its own. Afterwards the
+    recommended size, ``(1 - headroom)`` of it (or, where the caching allocator's fit map has a
+    gap there, the size nearest it that trains: ``result.notes`` says so), trained in a trial
+    of its own. Afterwards the
     model, optimizer, RNG streams and device memory are exactly as before.
 
     ``start`` (a first size to try) and ``prior`` (a predicted memory model, e.g. a plan's)
@@ -287,11 +289,14 @@ def _measured_search(
         )
     step = spec.multiple_of
     computed = math.floor((1 - spec.headroom) * outcome.largest_fit) // step * step
-    if recommended < computed:  # (recommend() proved its size by a trial)
+    if recommended != computed:  # (recommend() proved its size by a trial)
+        where = "the largest below it" if recommended < computed else (
+            "the nearest above it, in a band of sizes that train below the largest")
         notes.append(
-            f"batch {computed} ({1 - spec.headroom:.0%} of {outcome.largest_fit}) ran out of "
-            f"memory where {outcome.largest_fit} trained: the fit map has gaps; recommended "
-            f"{recommended}, the largest below them that trained"
+            f"batch {computed} ({1 - spec.headroom:.0%} of {outcome.largest_fit}) runs out of "
+            f"memory where {outcome.largest_fit} trains: the caching allocator's fit map has a "
+            f"gap there; recommended {recommended} ({recommended / outcome.largest_fit:.0%}), "
+            f"{where} that trained"
         )
     result = SearchResult(
         batch_size=recommended,
