@@ -161,7 +161,8 @@ def test_demo_prints_each_trial_and_the_result_quickly(workdir: Path, tmp_path: 
     out = result.stdout
     assert "simulated GPU with 64.00 MiB" in out  # says what it runs on
     assert "trial  1  batch" in out
-    assert "OOM (cuda_allocator)" in out
+    # the size above the largest: a trial that ran out of memory, or one the replay decided
+    assert "OOM (cuda_allocator)" in out or "was not run: the caching allocator's replay" in out
     largest = int(re.search(r"largest batch that fits: (\d+)", out).group(1))  # type: ignore[union-attr]
     recommended = int(re.search(r"recommended batch size: +(\d+)", out).group(1))  # type: ignore[union-attr]
     assert 100 <= recommended < largest < 400  # B* in the low hundreds: 160 and 144 today

@@ -68,7 +68,8 @@ def test_the_largest_size_trains_in_a_fresh_loop_and_one_more_does_not(
     assert fresh_loop_fits(template, sample, n, capacity, steps=CACHING_STEPS, **simulator)
     assert not fresh_loop_fits(template, sample, n + 1, capacity, steps=CACHING_STEPS, **simulator)
     assert all(t.steps >= CACHING_STEPS for t in result.trials if t.fits)
-    assert len(result.trials) == 4, result.trials  # 2, 8, the answer, one more
+    # 2, 8, the answer, and the size above unless the allocator's replay said it fails
+    assert len(result.trials) <= 4, result.trials
 
 
 @pytest.mark.parametrize("headroom", [0.1, 0.2])
@@ -87,7 +88,8 @@ def test_the_recommended_size_trains_in_a_fresh_loop_and_keeps_most_of_the_large
         gpu.adopt(model)
         result = search_batch_size(model, sample(4), torch.optim.AdamW, loss_fn=CE, headroom=headroom)
     n = result.batch_size
-    assert n > (1 - headroom) * result.max_batch_size - 1 or "gaps" in str(result.notes), result
+    assert n > (1 - headroom) * result.max_batch_size - 1 or "has a gap" in str(result.notes), result
+    assert n >= (1 - 1.5 * headroom) * result.max_batch_size - 1, result  # (most of the largest)
     peaks = fresh_loop_peaks(template, sample, n, capacity, steps=CACHING_STEPS)
     assert peaks is not None, (n, result.trials)
     assert peaks[1] <= gpu.capacity_bytes
@@ -309,7 +311,7 @@ def _hf_loop_fits(template: nn.Module, sample: Any, n: int, capacity: str, expan
 @pytest.mark.parametrize(
     "name", ["gpt2", *(pytest.param(n, marks=pytest.mark.slow) for n in ("bert", "t5", "llama", "vit"))]
 )
-def test_hugging_face_models_are_exact_in_four_trials_under_caching(
+def test_hugging_face_models_are_exact_in_four_trials_or_fewer_under_caching(
     name: str, expandable: bool
 ) -> None:
     torch.manual_seed(0)
@@ -323,7 +325,8 @@ def test_hugging_face_models_are_exact_in_four_trials_under_caching(
     n = result.max_batch_size
     assert _hf_loop_fits(template, sample, n, "12MiB", expandable)
     assert not _hf_loop_fits(template, sample, n + 1, "12MiB", expandable)
-    assert [t.fits for t in result.trials] == [True, True, True, False], result.trials
+    # 2, 8, the answer, and the size above unless the allocator's replay said it fails
+    assert [t.fits for t in result.trials] in ([True] * 3, [True, True, True, False]), result.trials
 
 
 def test_23_3_bert_is_recommended_most_of_the_largest_size() -> None:

@@ -32,7 +32,7 @@ def test_on_trial_receives_every_trial_as_it_ends() -> None:
         seen.append(trial)
         sizes_then.append(len(seen))
 
-    with SimulatedGPU("6MiB") as gpu:
+    with SimulatedGPU("6MiB", allocator="exact") as gpu:  # (no replay: the failing size runs)
         gpu.adopt(model)
         result = search_batch_size(model, sample, torch.optim.Adam, loss_fn=CE, on_trial=watch)
     assert seen == list(result.trials)

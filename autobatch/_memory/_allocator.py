@@ -360,30 +360,23 @@ class CachingAllocator:
         return model.peak_allocated_bytes, model.peak_reserved_bytes
 
     def __deepcopy__(self, memo: dict[int, object]) -> CachingAllocator:
-        """A structural copy (the replay makes one per size it asks, hundreds in a search:
-        the generic deep copy took four fifths of the search's replay time): every segment's
-        blocks rebuilt in address order and linked alike, the pools' keys and free blocks,
-        the freed blocks pending, the counters. Each old block maps to its copy in ``memo``,
-        as a deep copy's would."""
+        """A structural copy (the replay makes one per size it asks, hundreds in a search; the
+        generic deep copy took most of their time): segments' blocks rebuilt and linked alike,
+        pools, pending blocks, counters; each old block's copy in ``memo``."""
         clone = CachingAllocator.__new__(CachingAllocator)
         memo[id(self)] = clone
         with self._lock:
-            clone.__dict__.update(self.__dict__)  # (the settings and counts: numbers)
+            clone.__dict__.update(
+                {k: v.copy() if isinstance(v, Stat) else v for k, v in self.__dict__.items()})
             clone._lock = threading.Lock()
-            for name in ("allocated_bytes_stat", "requested_bytes_stat", "reserved_bytes_stat",
-                         "allocation_stat", "segment_stat"):
-                setattr(clone, name, getattr(self, name).copy())
-            pools = {id(pool): pool.copy() for pool in (self._small, self._large)}
-            clone._small, clone._large = pools[id(self._small)], pools[id(self._large)]
+            small, large = clone._small, clone._large = self._small.copy(), self._large.copy()
+            pools = {id(self._small): small, id(self._large): large}
             clone._segments = {
-                base: segment.copy(pools[id(segment.pool)], memo)
-                for base, segment in self._segments.items()
-            }
-            for old in (self._small, self._large):
-                pool = pools[id(old)]
-                pool.expandable = [segment.copy(pool, memo) for segment in old.expandable]
-                pool.free = {key: memo[id(block)] for key, block in old.free.items()}  # type: ignore[misc]
-            clone._pending = [memo[id(block)] for block in self._pending]  # type: ignore[misc]
+                b: s.copy(pools[id(s.pool)], memo) for b, s in self._segments.items()}
+            for old, pool in ((self._small, small), (self._large, large)):
+                pool.expandable = [s.copy(pool, memo) for s in old.expandable]
+                pool.free = {k: memo[id(b)] for k, b in old.free.items()}  # type: ignore[misc]
+            clone._pending = [memo[id(b)] for b in self._pending]  # type: ignore[misc]
         return clone
 
     # -- allocating ------------------------------------------------------------------------
@@ -683,20 +676,8 @@ class CachingAllocator:
 
     def _segment_ranges(self) -> list[tuple[int, int, bool]]:
         self._flush()
-        ranges = []
-        for segment in self._all_segments():
-            start = size = 0
-            for block in segment.blocks():
-                if block.mapped:
-                    if not size:
-                        start = block.address
-                    size += block.size
-                elif size:
-                    ranges.append((start, size, segment.pool.small))
-                    size = 0
-            if size:
-                ranges.append((start, size, segment.pool.small))
-        return ranges
+        return [(start, size, segment.pool.small) for segment in self._all_segments()
+                for start, size in segment.mapped_ranges()]
 
     def _all_stats(self) -> list[Stat]:
         stats = [self.allocated_bytes_stat, self.requested_bytes_stat, self.reserved_bytes_stat,

@@ -138,6 +138,22 @@ class Segment:
             prev, block = new, block.next
         return clone
 
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """``(start, size)`` of each run of mapped blocks, by address."""
+        ranges = []
+        start = size = 0
+        for block in self.blocks():
+            if block.mapped:
+                if not size:
+                    start = block.address
+                size += block.size
+            elif size:
+                ranges.append((start, size))
+                size = 0
+        if size:
+            ranges.append((start, size))
+        return ranges
+
     def blocks(self) -> Iterator[Block]:
         block: Block | None = self.head
         while block is not None:

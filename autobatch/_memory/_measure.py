@@ -428,7 +428,7 @@ def _replayed_curve(
         while high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if packed(middle) <= model.limit else (low, middle)
-        curve = Verdicts(replay, ceiling=low)
+        curve = Verdicts(replay, ceiling=low, floor=min(n1, n2))
         if curve.peak_at(n1) != peak1 or curve.peak_at(n2) != peak2:
             return None
     except ValueError:

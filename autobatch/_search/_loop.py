@@ -95,6 +95,7 @@ def search(
     bracket = _Bracket(min_size, max_size, multiple_of)
     chooser: SearchPolicy = ModelGuided() if policy is None else policy
     trials: list[Trial] = []
+    replayed: list[int] = []
     while not bracket.closed:
         state = SearchState(
             trials=tuple(trials),
@@ -111,6 +112,11 @@ def search(
         if isinstance(proposal, bool) or not isinstance(proposal, int):
             raise TypeError(f"policy {chooser!r} proposed {proposal!r}; it must return an int")
         size = bracket.snap(proposal)
+        if _replay_fails(trials, size, bracket, allocated_capacity(trials, capacity_bytes)):
+            bracket.record(size, False)  # (no trial: the replay that gave every peak says so)
+            replayed.append(size)
+            logger.debug("size %d fails in the allocator's replay: not run", size)
+            continue
         trial = probe(size)
         if not isinstance(trial, Trial) or trial.size != size:
             raise TypeError(
@@ -127,7 +133,22 @@ def search(
             "" if trial.error is None else f", {trial.error}",
         )
     points = binding_points(trials, allocated_capacity(trials, capacity_bytes))
-    return SearchOutcome(bracket.fit, bracket.fail, tuple(trials), fit_linear(points))
+    return SearchOutcome(
+        bracket.fit, bracket.fail, tuple(trials), fit_linear(points), tuple(replayed))
+
+
+def _replay_fails(
+    trials: Sequence[Trial], size: int, bracket: _Bracket, capacity_bytes: int | None
+) -> bool:
+    """Whether ``size``, the grid size right above the largest fit, is known to fail without
+    a trial: a caching allocator's replay that gave every trial's peak exactly (and every
+    failure) from its floor up says it runs out of memory there. The largest fit itself is
+    always a trial's."""
+    if bracket.fit is None or size != bracket.fit + bracket.step:
+        return False
+    curve = trusted_curve(trials, capacity_bytes)
+    return isinstance(curve, Verdicts) and (curve.floor or 0) <= bracket.fit and (
+        curve.peak_at(size) is None)
 
 
 def fragmentation(trials: Sequence[Trial], size: int | None = None) -> float:

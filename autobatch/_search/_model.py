@@ -224,12 +224,16 @@ class Verdicts:
     """
 
     def __init__(
-        self, peaks: Callable[[int], tuple[int, int] | None], ceiling: int | None = None
+        self, peaks: Callable[[int], tuple[int, int] | None], ceiling: int | None = None,
+        floor: int | None = None,
     ) -> None:
         self._peaks = peaks
         self._known: dict[int, tuple[int, int] | None] = {}
         #: No size above this fits (``None``: unknown).
         self.ceiling = ceiling
+        #: The smallest size whose trial it was worked out from: a smaller one may run another
+        #: graph (a branch taken above some rows), which it does not speak for (``None``: any).
+        self.floor = floor
 
     def _at(self, n: int) -> tuple[int, int] | None:
         if n not in self._known:
@@ -262,6 +266,9 @@ def trusted_curve(
 ) -> Callable[[int], int] | None:
     """The latest curve a probe reported (see :class:`Trial`), if it gives every fitting
     trial's peak exactly and puts every failed size above ``capacity_bytes``; else ``None``.
+    A caching allocator's replay answers for the trials from its ``floor`` up only (the
+    sizes of the two trials it was worked out from: a smaller size may take another branch
+    of the model, another graph).
 
     With a ``tolerance`` (a share of each peak), a caching allocator's replay (a
     :class:`Verdicts` curve only) whose peaks are that close is taken too: not exact (a storage
@@ -278,8 +285,11 @@ def trusted_curve(
     curve = next((t.curve for t in reversed(trials) if t.curve is not None), None)
     if curve is None or (tolerance and not isinstance(curve, Verdicts)):
         return None
+    floor = curve.floor if isinstance(curve, Verdicts) else None
     try:
         for trial in trials:
+            if floor is not None and trial.size < floor:
+                continue  # (another graph, maybe: checked by its own trials above the floor)
             if trial.fits and trial.peak_bytes is not None and (
                 abs(curve(trial.size) - trial.peak_bytes) > tolerance * trial.peak_bytes
             ):

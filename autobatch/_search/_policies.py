@@ -28,8 +28,25 @@ from autobatch._validate import check_int
 #: Guided trials after the first failure under a caching allocator, before bisecting.
 _CACHING_GUIDED = 3
 #: The most sizes a :class:`Verdicts` curve is asked, from its ceiling down, for the largest
-#: that fits.
+#: that fits (evenly spread, then each size above the highest that fits up to the next one).
 _MAX_VERDICTS = 256
+
+
+def _highest_verdict(curve: Verdicts, low: int, top: int, step: int) -> int | None:
+    """The largest grid size in ``(low, top]`` that ``curve`` says fits, islands above a gap
+    included: sizes from ``top`` down, at most :data:`_MAX_VERDICTS` of them evenly spread,
+    to the highest that fits, then the sizes above it one by one up to the next one asked
+    (an island narrower than that spread, between two sizes asked, can be missed); ``None``
+    where none asked fits."""
+    stride = max(1, -(-(top - low) // step // _MAX_VERDICTS)) * step
+    size = top
+    while size > low and curve.peak_at(size) is None:
+        size -= stride
+    if size <= low:
+        return None
+    while size + step <= min(top, size + stride - step) and curve.peak_at(size + step) is not None:
+        size += step
+    return size
 
 logger = logging.getLogger("autobatch.search")
 
@@ -44,15 +61,19 @@ class SearchOutcome:
 
     Args:
         largest_fit: the exact largest fitting grid size; ``None`` if even the smallest failed.
-        smallest_fail: the smallest failing size tried; ``None`` if ``max_size`` fit.
+        smallest_fail: the smallest failing size tried, or replayed; ``None`` if ``max_size``
+            fit.
         trials: every probe in order.
         model: the final fitted memory model, if the probe reported peaks.
+        replayed: sizes found failing in a caching allocator's replay, not run (the size
+            above the largest fit, where the replay gave every trial's peak exactly).
     """
 
     largest_fit: int | None
     smallest_fail: int | None
     trials: tuple[Trial, ...]
     model: LinearModel | None
+    replayed: tuple[int, ...] = ()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -277,14 +298,8 @@ class ModelGuided:
         if isinstance(curve, Verdicts):  # it knows which sizes fit: no capacity to compare with
             capacity = OUT_OF_MEMORY - 1
             if curve.ceiling is not None:  # the largest that fits, gaps below it or not
-                size = min(cap, curve.ceiling) // step * step
-                for _ in range(_MAX_VERDICTS):
-                    if size <= low or curve.peak_at(size) is not None:
-                        break
-                    size -= step
-                else:
-                    size = low  # (too far below the ceiling: as if fitting were monotone)
-                if size > low and curve.peak_at(size) is not None:
+                size = _highest_verdict(curve, low, min(cap, curve.ceiling) // step * step, step)
+                if size is not None:
                     return size
         best = _largest_within(curve, capacity, low, cap, step)
         return best if best > low else low + step

@@ -272,6 +272,10 @@ def _measured_search(
         )
         if outcome.largest_fit is None:
             raise _nothing_fits(records, spec.min_batch, budget, memory.name, outcome.model)
+        notes += [
+            f"batch {n} was not run: the caching allocator's replay, which gave every trial's "
+            f"peak exactly, runs out of memory there" for n in outcome.replayed
+        ]
         if work.step.stood_in:
             notes.append(
                 "no loss_fn, and the model computes no loss of its own: sized with a stand-in "

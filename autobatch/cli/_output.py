@@ -116,9 +116,10 @@ def _search_lines(result: SearchResult, seconds: float, cached: str | None) -> l
         lines += [f"  trial {i:>2}  {t}" for i, t in enumerate(result.trials, start=1)]
     lines.append(f"largest batch that fits: {result.max_batch_size}")
     if result.headroom:
+        share = result.batch_size / result.max_batch_size
         lines.append(
-            f"recommended batch size:  {result.batch_size} (headroom {result.headroom:g}: at "
-            f"most {1 - result.headroom:.0%} of the largest, proven by a trial)"
+            f"recommended batch size:  {result.batch_size} ({share:.0%} of the largest, headroom "
+            f"{result.headroom:g}; proven by a trial)"
         )
     else:
         lines.append(f"recommended batch size:  {result.batch_size}")
