@@ -20,6 +20,7 @@ from autobatch._search._policies import (
     SearchPolicy,
     SearchState,
     _Bracket,
+    _highest_verdict,
 )
 from autobatch._validate import check_int
 
@@ -40,9 +41,13 @@ def search(
     """Find the exact largest grid size for which ``probe`` reports a fit, in few trials.
 
     The grid is the multiples of ``multiple_of`` in ``[min_size, max_size]``; fitting is assumed
-    monotone (if a size fits, every smaller one does). The answer is exact: it was probed and fit,
-    and the next grid size up was probed and failed (or is beyond ``max_size``). No size is probed
-    twice or off the grid, and the same probe gives the same sequence of sizes.
+    monotone (if a size fits, every smaller one does), except where the probe reports a caching
+    allocator's replay (:class:`Verdicts`) that gives every trial's peak: sizes it says fit
+    above a failure (an island above a gap of the fit map) are tried too, the largest first.
+    The answer is exact: it was probed and fit, and the next grid size up was probed and
+    failed, or that replay says it fails (``SearchOutcome.replayed``), or it is beyond
+    ``max_size``. No size is probed twice or off the grid, and the same probe gives the same
+    sequence of sizes.
 
     Trials, with the default policy: with a probe's own exact curve (see :class:`Trial`)
     4, one of them failing, however little a sample adds; with peak statistics on an affine
@@ -96,7 +101,31 @@ def search(
     chooser: SearchPolicy = ModelGuided() if policy is None else policy
     trials: list[Trial] = []
     replayed: list[int] = []
-    while not bracket.closed:
+    while True:
+        island = _island_above(trials, bracket, capacity_bytes)
+        if island is not None:  # (tried at once: the sizes below it no longer matter)
+            if _probed(probe, island, trials).fits:  # (else the replay is no longer trusted)
+                bracket.fit = island  # the bracket opens again above it
+                bracket.fail = min(
+                    (t.size for t in trials if not t.fits and t.size > island), default=None)
+            continue
+        if bracket.closed:
+            break
+        _narrow(bracket, trials, replayed, probe, chooser, capacity_bytes, max_size, start, prior)
+    points = binding_points(trials, allocated_capacity(trials, capacity_bytes))
+    return SearchOutcome(
+        bracket.fit, bracket.fail, tuple(trials), fit_linear(points), tuple(replayed))
+
+
+def _narrow(
+    bracket: _Bracket, trials: list[Trial], replayed: list[int], probe: Callable[[int], Trial],
+    chooser: SearchPolicy, capacity_bytes: int | None, max_size: int | None,
+    start: int | None, prior: LinearModel | None,
+) -> None:
+    """One size the policy proposes inside the open bracket: a trial, or the replay's verdict
+    (``replayed``) for the size right above the largest fit."""
+    multiple_of = bracket.step
+    if not bracket.closed:
         state = SearchState(
             trials=tuple(trials),
             largest_fit=bracket.fit,
@@ -116,25 +145,38 @@ def search(
             bracket.record(size, False)  # (no trial: the replay that gave every peak says so)
             replayed.append(size)
             logger.debug("size %d fails in the allocator's replay: not run", size)
-            continue
-        trial = probe(size)
-        if not isinstance(trial, Trial) or trial.size != size:
-            raise TypeError(
-                f"probe({size}) returned {trial!r}; it must return a Trial of size {size}"
-            )
-        trials.append(trial)
-        bracket.record(size, trial.fits)
-        logger.debug(
-            "trial %d: size %d %s (peak %s bytes%s)",
-            len(trials),
-            size,
-            "fits" if trial.fits else "fails",
-            trial.peak_bytes,
-            "" if trial.error is None else f", {trial.error}",
-        )
-    points = binding_points(trials, allocated_capacity(trials, capacity_bytes))
-    return SearchOutcome(
-        bracket.fit, bracket.fail, tuple(trials), fit_linear(points), tuple(replayed))
+            return
+        bracket.record(size, _probed(probe, size, trials).fits)
+
+
+def _probed(probe: Callable[[int], Trial], size: int, trials: list[Trial]) -> Trial:
+    """``probe(size)``, checked, appended to ``trials`` and logged."""
+    trial = probe(size)
+    if not isinstance(trial, Trial) or trial.size != size:
+        raise TypeError(f"probe({size}) returned {trial!r}; it must return a Trial of size {size}")
+    trials.append(trial)
+    logger.debug(
+        "trial %d: size %d %s (peak %s bytes%s)", len(trials), size,
+        "fits" if trial.fits else "fails", trial.peak_bytes,
+        "" if trial.error is None else f", {trial.error}",
+    )
+    return trial
+
+
+def _island_above(trials: list[Trial], bracket: _Bracket, capacity_bytes: int | None) -> int | None:
+    """A size above the bracket's failure that a caching allocator's trusted replay
+    says fits (the largest such, not tried yet): an island of fitting sizes above a gap,
+    where the caching allocator's fit map is not monotone; ``None`` where there is none."""
+    if bracket.fit is None or bracket.fail is None:
+        return None
+    curve = trusted_curve(trials, allocated_capacity(trials, capacity_bytes))
+    if not isinstance(curve, Verdicts) or curve.ceiling is None or (curve.floor or 0) > bracket.fit:
+        return None
+    top = min(curve.ceiling, bracket.last) // bracket.step * bracket.step
+    island = _highest_verdict(curve, bracket.fail, top, bracket.step)
+    if island is None or island <= bracket.fail or any(t.size == island for t in trials):
+        return None
+    return island
 
 
 def _replay_fails(

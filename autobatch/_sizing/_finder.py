@@ -276,6 +276,14 @@ def _measured_search(
             f"batch {n} was not run: the caching allocator's replay, which gave every trial's "
             f"peak exactly, runs out of memory there" for n in outcome.replayed
         ]
+        below = sorted(t.size for t in outcome.trials if not t.fits and t.size < outcome.largest_fit)
+        if below:
+            notes.append(
+                f"the fit map has gaps: batch {', '.join(map(str, below))} ran out of memory "
+                f"below the largest, {outcome.largest_fit} (the caching allocator's segments); "
+                "result.fits(n) tells which sizes train"
+            )
+            logger.warning("%s", notes[-1])
         if work.step.stood_in:
             notes.append(
                 "no loss_fn, and the model computes no loss of its own: sized with a stand-in "
