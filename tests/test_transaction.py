@@ -488,6 +488,51 @@ def test_a_grad_scaler_is_reset_after_a_failed_attempt_with_or_without_scaler(
     _assert_same(train(True), train(False))
 
 
+@pytest.mark.parametrize("fault", FAULTS[:2])
+@pytest.mark.parametrize("given", [False, True])
+@pytest.mark.parametrize("at_calls", [{0}, {3}, {3, 5}])
+def test_the_plain_amp_step_without_unscale_is_exact_when_split(
+    fault: str, given: bool, at_calls: set[int]
+) -> None:
+    """``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` with no
+    ``unscale_`` of its own: ``scaler.step`` unscales inside the last micro-batch. That nested
+    call used to end the step's own ``scaler.step`` early in the path check, so every split
+    call was refused, and the refusal left the scaler's stage at "unscaled": the next call's
+    step then applied gradients still multiplied by the scale (params off 5.8e-1, silently)."""
+
+    def make(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=2)
+
+        def step(batch: Any) -> torch.Tensor:
+            opt.zero_grad()
+            loss = _loss(model, batch)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss.detach()
+
+        step.scaler = scaler  # type: ignore[attr-defined]
+        return step
+
+    def train(fail: str | None) -> nn.Module:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = make(model, opt)
+        options = {"scaler": step.scaler} if given else {}  # type: ignore[attr-defined]
+        run = retry_on_oom(optimizer=opt, **options)(step) if fail else step
+        faults = _faults() if fail else {}
+        for call in range(7):
+            batch = _data(call)
+            if fail and call in at_calls:
+                with faults[fail]():
+                    run(batch)
+            else:
+                run(batch)
+        return model
+
+    _assert_same(train(fault), train(None))
+
+
 def _assert_untouched(model: nn.Module, params: list[torch.Tensor]) -> None:
     """After a refused call: every parameter as before, and no gradient left behind."""
     for p, q in zip(model.parameters(), params, strict=True):

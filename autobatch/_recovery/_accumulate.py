@@ -430,13 +430,14 @@ class _Accumulation:
             self._event(f"{type(args[0]).__name__}.step()")  # (the step it makes, or skips)
         if not self.last:
             return None
+        scaling = self.scaling  # (scaler.step calls unscale_ itself when the step did not)
         if name == "step":
             self.merge()
             self.scaling = True  # (its optimizer step is this event, not another)
         try:
             return real(scaler, *args, **kwargs)
         finally:
-            self.scaling = False
+            self.scaling = scaling
 
     def scheduler_call(self, real: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
         """An LR scheduler's ``step`` in a piece: a scheduler given steps in the last piece

@@ -176,6 +176,8 @@ class _BatchRun:
                     self.session.restart()
                 engine.ledger.undo_batch()
                 engine.known.learn(engine.ledger.first_attempt_written())
+            # (a scaler's unscale_ in the last piece, before the refusal, is forgotten too)
+            reset_scalers(engine.fn, engine.optimizers, engine.options.scaler, self.session)
             for tried in (attempt, self.whole):  # (the batch's whole attempt, unwatched or not)
                 if tried is not None:
                     tried.explain(error)
