@@ -11,7 +11,8 @@ backward and step; the layers after the first under a reentrant or a plain check
 first layer unfrozen inside the step; state first written on a later call, the loop having
 replaced a buffer, added a module or made a new metric between calls; another thread
 training its own guarded step meanwhile; a loss that couples the batch's rows: in-batch
-negatives, the hardest row, a mean over labelled rows without ``items=``; four whole calls
+negatives, the hardest row, a mean over labelled rows without ``items=``; a penalty on the
+input gradient (double backward); four whole calls
 before, after which the checked call adds to the gradients the others dropped first) and an
 OOM schedule of
 :func:`autobatch.testing.check_split` (in forward; in backward after a fold, in an early piece
@@ -64,7 +65,8 @@ class Parts:
     unfreeze: bool = False  # the first layer is frozen until the step unfreezes it
     later: str = "none"  # between calls the loop: "buffer" replaced, "module" added, "metric" new
     thread: bool = False  # another thread trains its own guarded step meanwhile
-    coupled: str = "none"  # the loss mixes the batch's rows: "pairs", "max", "count"
+    coupled: str = "none"  # the loss mixes the batch's rows: "pairs", "max", "count", or
+    # scales with the batch's size: "penalty" (a penalty on the input gradient, double backward)
     warm: bool = False  # four calls ran whole before (the fast path has learned the step)
     keep: bool = False  # the checked call skips the zeroing at its start that the warm ones did
 
@@ -76,7 +78,7 @@ class Parts:
             or self.hook != "none"
             or (stepping and self.ema != "none")
             or (stepping and self.scheduler == "not given")
-            or self.coupled in ("pairs", "max")
+            or self.coupled in ("pairs", "max", "penalty")
         )
 
 
@@ -96,6 +98,10 @@ def parts(draw: Any) -> Parts:
     accumulate = not fused and optimizers > 0 and draw(st.booleans())
     zero = draw(st.sampled_from(["start", "start_keep", "end", "end_keep"]))
     warm = draw(st.booleans())
+    # (a checkpoint recomputes BatchNorm's forward: its statistics update twice, which the
+    # check's truth, normalising the same micro-batches, does not model)
+    checkpoint = "none" if batchnorm else draw(st.sampled_from(
+        ["none", "none", "reentrant", "plain"] if not grad else ["none", "plain"]))
     return Parts(
         optimizers=optimizers,
         fused=fused,
@@ -115,17 +121,16 @@ def parts(draw: Any) -> Parts:
         schedule=schedule,
         zero=zero,
         reader=draw(st.booleans()),
-        # (a checkpoint recomputes BatchNorm's forward: its statistics update twice, which
-        # the check's truth, normalising the same micro-batches, does not model)
-        checkpoint="none" if batchnorm else draw(st.sampled_from(
-            ["none", "none", "reentrant", "plain"] if not grad else ["none", "plain"])),
+        checkpoint=checkpoint,
         unfreeze=not fused and draw(st.booleans()),
         # (torch's AveragedModel pairs its buffers with the model's: a module added later
         # breaks its update, unguarded too)
         later=draw(st.sampled_from(["none", "none", "buffer", "metric"] + (
             [] if ema in ("closure", "self") else ["module"]))),
         thread=draw(st.booleans()) and draw(st.booleans()),
-        coupled=draw(st.sampled_from(["none"] * 9 + ["pairs", "max", "count"])),
+        coupled=draw(st.sampled_from(["none"] * 9 + ["pairs", "max", "count"] + (
+            # (torch.autograd.grad cannot run through a reentrant checkpoint)
+            ["penalty"] if checkpoint != "reentrant" else []))),
         warm=warm,
         keep=warm and zero.startswith("start") and not accumulate and draw(st.booleans()),
     )
@@ -248,6 +253,8 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
         if not p.accumulate and p.zero.startswith("start") and not adds:
             for opt in optimizers:
                 opt.zero_grad(**keep)
+        if p.coupled == "penalty":
+            x = x.clone().requires_grad_(True)
         if p.unfreeze:
             model[0].requires_grad_(True)  # (toggled inside the step)
         if p.checkpoint == "none":
@@ -263,6 +270,9 @@ def _step(p: Parts, world: dict[str, Any]) -> Any:
             loss = loss + 0.1 * losses.max()
         elif p.coupled == "count" and not p.items:  # (a mean over labelled rows, undeclared)
             loss = losses.sum() / (y != -100).sum().clamp(min=1)
+        elif p.coupled == "penalty":  # (the input gradient of a mean, squared)
+            (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+            loss = loss + 0.1 * gx.square().sum(1).mean()
         if metric is not None:
             metric.update(losses.detach()[y != -100])
         if later.metric is not None:

@@ -207,6 +207,9 @@ class _Accumulation:
     def backward(self, real: Callable[..., Any], tensors: Any, grad_tensors: Any,
                  *args: Any, **kwargs: Any) -> Any:
         """``torch.autograd.backward`` in a piece: the root weighted by the piece's share."""
+        # (backward(tensors, grad_tensors, retain_graph, create_graph, ...))
+        if kwargs.get("create_graph") or (len(args) > 1 and args[1]):
+            self.differentiates_gradients("backward(create_graph=True)")
         self._event("backward()")
         # parameters the step made require gradients (a backbone unfrozen after warm-up):
         # the graph cannot show those a reentrant checkpoint runs, so they are looked up here
@@ -438,6 +441,22 @@ class _Accumulation:
             return real(scaler, *args, **kwargs)
         finally:
             self.scaling = scaling
+
+    def differentiates_gradients(self, call: str) -> None:
+        """The piece differentiates a gradient again (a gradient penalty): refused, unless
+        the piece is the whole batch."""
+        if self.weight == 1.0 and self.last:
+            return
+        raise _rules.refusal(
+            self.name, f"called {call} (a gradient differentiated again: a gradient penalty)",
+            _inspect.user_frame(),
+            "a penalty on a gradient is not a sum over the batch's rows that micro-batches "
+            "can weight (the gradient of a mean scales with the batch's size, and its square "
+            "with the square of it), so the micro-batches' gradients would not add up to the "
+            "batch's",
+            "make the batch fit (a smaller batch_size, or min_batch= with policy='shrink'), "
+            "or compute the penalty outside the decorated step",
+        )
 
     def scheduler_call(self, real: Callable[..., Any], scheduler: Any, args: Any, kwargs: Any) -> Any:
         """An LR scheduler's ``step`` in a piece: a scheduler given steps in the last piece

@@ -17,6 +17,9 @@ defines one                                        refused before it steps
 _group_tensors_by_device_and_dtype``               nothing to clip (torch fails on none)
 ``torch.Tensor.grad``                              an assignment by the step seen before it
                                                    happens
+``torch.autograd.grad``                            a gradient differentiated again
+                                                   (``create_graph=True``) in a micro-batch:
+                                                   refused before anything is kept
 =================================================  =============================================
 
 Two groups, each installed by its first user and removed by its last, under one lock, in the
@@ -171,6 +174,7 @@ def _install_split() -> list[Patch]:
     patches.append(Patch(_clip_grad, "_group_tensors_by_device_and_dtype",
                          _ours(functools.partial(_group_gradients, grouping))))
     patches.append(Patch(torch.Tensor, "grad", _GRAD))
+    patches.append(Patch(torch.autograd, "grad", _ours(_autograd_grad(torch.autograd.grad))))
     return patches
 
 
@@ -226,6 +230,18 @@ def _scheduler_step(real: Callable[..., Any]) -> Callable[..., Any]:
         return route.scheduler_call(real, scheduler, args, kwargs)
 
     return step
+
+
+def _autograd_grad(real: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(real)
+    def grad(*args: Any, **kwargs: Any) -> Any:
+        route = running_split()
+        # (grad(outputs, inputs, grad_outputs, retain_graph, create_graph, ...))
+        if route is not None and (kwargs.get("create_graph") or (len(args) > 4 and args[4])):
+            route.differentiates_gradients("torch.autograd.grad(..., create_graph=True)")
+        return real(*args, **kwargs)
+
+    return grad
 
 
 def _group_gradients(real: Callable[..., Any], tensorlistlist: Any, *args: Any, **kwargs: Any) -> Any:

@@ -47,7 +47,7 @@ from autobatch._recovery._ranks import (
 from autobatch._recovery._records import _Tally
 from autobatch._recovery._results import _combine
 from autobatch._recovery._rows import RowWatch
-from autobatch._recovery._rules import judge
+from autobatch._recovery._rules import Refusal, judge
 from autobatch._recovery._sizes import _Sizes, _TooSmall
 from autobatch._recovery._thrash import hint_fragmentation
 from autobatch._units import format_bytes
@@ -178,6 +178,8 @@ class _BatchRun:
                 engine.known.learn(engine.ledger.first_attempt_written())
             # (a scaler's unscale_ in the last piece, before the refusal, is forgotten too)
             reset_scalers(engine.fn, engine.optimizers, engine.options.scaler, self.session)
+            if isinstance(error, Refusal):  # (it cannot run in pieces: the next runs whole)
+                engine.sizes.forget(self.key)
             for tried in (attempt, self.whole):  # (the batch's whole attempt, unwatched or not)
                 if tried is not None:
                     tried.explain(error)

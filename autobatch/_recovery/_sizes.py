@@ -247,6 +247,10 @@ class _Sizes:
         old, state.limit = state.limit, new
         return old, new
 
+    def forget(self, key: Hashable) -> None:
+        """The batch of ``key`` was refused in pieces: its next one runs whole again."""
+        self.states.pop(key, None)
+
     def finish(self, key: Hashable, clean: bool) -> None:
         """A call ended; count clean calls towards the next grow."""
         state = self.states.get(key)
