@@ -583,6 +583,65 @@ def test_a_gradient_penalty_is_refused_when_split_with_the_state_unchanged(
     assert _patches.replaced() == []
 
 
+class _CallCounter:
+    """A step written as a method that counts its calls on ``self``."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def step(self, batch: Any) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1  # (first written by the first call)
+        self.opt.zero_grad()
+        loss = _loss(self.model, batch) * (1 + self.calls % 3)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+def _counting(where: str) -> Callable[..., Callable[..., Any]]:
+    def make(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., Any]:
+        n = 0
+        state: dict[str, Any] = {"n": 0, "log": []}
+
+        def nonlocal_step(batch: Any) -> torch.Tensor:
+            nonlocal n
+            n += 1
+            opt.zero_grad()
+            loss = _loss(model, batch) * (1 + n % 3)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        def dict_step(batch: Any) -> torch.Tensor:
+            state["n"] += 1
+            opt.zero_grad()
+            loss = _loss(model, batch) * (1 + state["n"] % 3)
+            state["log"].append(float(loss))
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return {"nonlocal": nonlocal_step, "dict": dict_step,
+                "self": _CallCounter(model, opt).step}[where]
+
+    return make
+
+
+@pytest.mark.parametrize("where", ["nonlocal", "dict", "self"])
+@pytest.mark.parametrize("fault", FAULTS[:2])
+@pytest.mark.parametrize("at_calls", [{0}, {3}, {2, 4}])
+def test_a_python_counter_that_weights_the_loss_counts_each_call_once(
+    where: str, fault: str, at_calls: set[int]
+) -> None:
+    """``loss * (1 + n % 3)`` with ``n`` counted by the step (``nonlocal``, in a dict of its
+    closure, on ``self``): the failed attempt and every micro-batch used to count, so the
+    pieces' losses were weighted otherwise than the batch's (params off 2.2e-1, silently).
+    The step's Python numbers are put back after a failed attempt and before each
+    micro-batch."""
+    truth = _train(_counting(where), "adamw", None, set(), calls=6)
+    _assert_same(_train(_counting(where), "adamw", fault, at_calls, calls=6), truth)
+
+
 def _assert_untouched(model: nn.Module, params: list[torch.Tensor]) -> None:
     """After a refused call: every parameter as before, and no gradient left behind."""
     for p, q in zip(model.parameters(), params, strict=True):

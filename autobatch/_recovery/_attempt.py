@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from autobatch._errors import AutobatchError
 from autobatch._oom import MAX_CHAIN_DEPTH
 from autobatch._recovery import _inspect
-from autobatch._recovery._backups import Backups, _Kept
+from autobatch._recovery._backups import Backups, Slot, _Kept, put_scalars
 from autobatch._recovery._patches import backward_handler
 from autobatch._recovery._rules import Kind, Seen
 
@@ -280,6 +280,7 @@ class _Host(Protocol):
     optimized_ids: set[int]  # the parameters the step's own optimizers update
     known: _Known
     embeds: bool  # the step calls embed_in_pieces
+    scalars: list[Slot]  # where the step keeps Python scalars of its own
 
 
 def _carrying_backward(
@@ -341,10 +342,24 @@ class _Attempt:
     its backward (:func:`_carrying_backward`)."""
 
     __slots__ = (
-        "apart", "batch_versions", "carried", "carried_into", "carried_refs", "engine", "firsts",
+        "apart",
+        "batch_versions",
+        "carried",
+        "carried_into",
+        "carried_refs",
+        "engine",
+        "firsts",
         "light",
-        "ours_stepped", "params", "patch", "stepped", "token", "undo", "versions",
-        "versions_carried", "zeroed",
+        "ours_stepped",
+        "params",
+        "patch",
+        "scalars",
+        "stepped",
+        "token",
+        "undo",
+        "versions",
+        "versions_carried",
+        "zeroed",
     )
 
     def __init__(
@@ -360,6 +375,7 @@ class _Attempt:
         self.patch: Any = None
         self.token: contextvars.Token[_Attempt | None] | None = None
         self.zeroed = False  # it zeroed carried gradients in place (their values are gone)
+        self.scalars: list[Any] | None = None  # the step's Python scalars as it began
         self.began_with(known.params, carry=carry)
         #: made for a step known to change nothing: nothing copied (the engine may reuse it)
         self.light = known.plain
@@ -506,8 +522,10 @@ class _Attempt:
     def rollback(self) -> None:
         """Put back what the attempt's undo store holds: the known-changing state as it was
         when the attempt began, and every gradient as it was (the failed attempt's own are
-        dropped; ``None`` stays ``None``)."""
+        dropped; ``None`` stays ``None``), and the step's Python scalars (a call counter)."""
         self.undo.put_back()
+        if self.scalars is not None:
+            put_scalars(self.engine.scalars, self.scalars)
 
     def kept(self) -> set[int]:
         """The storages of the state this attempt copied before it ran (put back after it

@@ -105,3 +105,73 @@ class Backups:
                 else:
                     tensor.copy_(copy)
         self.entries = {k: e for k, e in self.entries.items() if isinstance(e, _Kept)}
+
+
+# Python scalars the step keeps ---------------------------------------------------------------
+
+#: Where a Python scalar lies: ``(holder, name, item)``: a closure cell's ``cell_contents``
+#: or an attribute of the step's ``self`` (``item`` False), or a key of a dict in a closure
+#: cell (``state = {"step": 0}``, ``item`` True).
+Slot = tuple[Any, Any, bool]
+_SCALARS = (int, float, str, bool, type(None))
+_MISSING = object()
+
+
+def scalar_slots(fn: Any) -> list[Slot]:
+    """Where ``fn`` keeps Python scalars of its own: its closure's cells, the keys of dicts in
+    them, and, for a method, its instance's attributes, that hold a number, a string, a flag
+    or ``None`` (a call counter, a flag). A failed attempt puts them back, and every
+    micro-batch starts from the batch's values, so that they change once per call: a counter
+    counts the call once, and a loss it weights is the batch's. (Lists are logs: an append
+    runs once per micro-batch; a count of rows kept in the step counts the last
+    micro-batch's.)"""
+    slots: list[Slot] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # (an empty cell: a name bound later)
+            continue
+        if isinstance(value, _SCALARS):
+            slots.append((cell, "cell_contents", False))
+        elif type(value) is dict:
+            slots += [(value, k, True) for k, v in value.items() if isinstance(v, _SCALARS)]
+    owner = getattr(fn, "__self__", None)
+    held = getattr(owner, "__dict__", None)
+    if isinstance(held, dict) and not isinstance(owner, type):
+        slots += [(owner, k, False) for k, v in held.items() if isinstance(v, _SCALARS)]
+    return slots
+
+
+def scalars_began(fn: Any, slots: list[Slot], values: list[Any]) -> Callable[[], None]:
+    """What puts the step's Python scalars back as they were (``values`` at ``slots``), and
+    drops those its ``self`` got since (``self.calls = 1`` first written by the call)."""
+    owner = getattr(fn, "__self__", None)
+    held = getattr(owner, "__dict__", None)
+    attributes: dict[str, Any] = held if isinstance(held, dict) and not isinstance(
+        owner, type) else {}
+    names = set(attributes)
+
+    def put_back() -> None:
+        put_scalars(slots, values)
+        if len(attributes) != len(names):
+            for name in [k for k, v in attributes.items()
+                         if k not in names and isinstance(v, _SCALARS)]:
+                del attributes[name]
+
+    return put_back
+
+
+def read_scalars(slots: list[Slot]) -> list[Any]:
+    return [holder.get(name, _MISSING) if item else getattr(holder, name)
+            for holder, name, item in slots]
+
+
+def put_scalars(slots: list[Slot], values: list[Any]) -> None:
+    for (holder, name, item), value in zip(slots, values, strict=True):
+        if not item:
+            if getattr(holder, name) is not value:
+                setattr(holder, name, value)
+        elif value is _MISSING:
+            holder.pop(name, None)
+        elif holder.get(name, _MISSING) is not value:
+            holder[name] = value

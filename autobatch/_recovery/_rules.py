@@ -184,8 +184,10 @@ REFUSED: tuple[str, ...] = (
     "and the step is not retried",
     "a micro-batch that takes another path than the batch's first (another number of "
     "`backward()` calls, an optimizer, scaler or scheduler step the first did not take): a "
-    "Python counter in the step (`self.calls += 1; if self.calls % 2 == 0: opt.step()`), a "
-    "branch on a micro-batch's values",
+    "decision from Python state the step keeps in a list or an object other than its own "
+    "(`calls.append(1); if len(calls) % 2 == 0: opt.step()`; a number in its closure, in a "
+    "dict there or on its `self` is put back before each micro-batch, and decides as the "
+    "batch does), a branch on a micro-batch's values",
     "a bare `@retry_on_oom` (no `optimizer=`, no `policy=`) on a step known to call "
     "`optimizer.step()`: each micro-batch would take its own step (where the first sign of it "
     "is a micro-batch's step, a warning names the optimizer instead)",
