@@ -642,6 +642,38 @@ def test_a_python_counter_that_weights_the_loss_counts_each_call_once(
     _assert_same(_train(_counting(where), "adamw", fault, at_calls, calls=6), truth)
 
 
+def test_a_refusal_on_the_fast_path_puts_back_hyperparameters_and_names_dropped_gradients() -> None:
+    """A step that sets its learning rate and edits a parameter in place (refused after an OOM
+    on the fast path): the learning rate it set is put back (it was left at the failed
+    attempt's value while the message said "nothing of it was kept"), and the message says
+    the gradients its ``zero_grad()`` dropped stay dropped."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = 0
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: Any) -> None:
+        nonlocal calls
+        calls += 1
+        opt.param_groups[0]["lr"] = 0.1 / calls
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        opt.step()
+        with torch.no_grad():
+            model[0].weight.mul_(0.999)  # (in place, outside the optimizer: refused)
+
+    for call in range(3):
+        step(_data(call))
+    lr, params = opt.param_groups[0]["lr"], [p.detach().clone() for p in model.parameters()]
+    batch = _data(3)
+    with pytest.raises(AutobatchError) as info, inject_oom(phase="forward", at_op=2):
+        step(batch)
+    assert opt.param_groups[0]["lr"] == lr
+    assert calls == 3
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+    assert "dropped (zero_grad() at its start)" in str(info.value)
+
+
 def _assert_untouched(model: nn.Module, params: list[torch.Tensor]) -> None:
     """After a refused call: every parameter as before, and no gradient left behind."""
     for p, q in zip(model.parameters(), params, strict=True):

@@ -544,12 +544,18 @@ class _Attempt:
 
     def explain(self, error: BaseException) -> None:
         """Say in a refusal of the batch this attempt began what it could not put back."""
-        if self.zeroed and isinstance(error, AutobatchError) and error.args:
-            message = str(error.args[0]).replace("nothing of it", "nothing else of it")
-            error.args = (  # (their old values were never copied: the fast path is cheap)
-                f"{message} The gradients the step zeroed in place (zero_grad("
-                "set_to_none=False)) before the whole batch ran out of memory stay zero.",
-                *error.args[1:])
+        if not isinstance(error, AutobatchError) or not error.args:
+            return
+        kept = self.undo.entries.get("gradients")
+        refs = kept.value[1] if isinstance(kept, _Kept) else ()
+        dropped = any(ref is not None and ref() is None for ref in refs)
+        for lost, what in ((self.zeroed, "zeroed in place (zero_grad(set_to_none=False))"),
+                           (dropped, "dropped (zero_grad() at its start)")):
+            if lost:  # (their old values were never copied: the fast path is cheap)
+                message = str(error.args[0]).replace("nothing of it", "nothing else of it")
+                error.args = (
+                    f"{message} The gradients the step {what} before the whole batch ran out "
+                    "of memory stay so.", *error.args[1:])
 
     def seen(self, describe: Callable[[list[torch.Tensor]], str]) -> Seen:
         """What the failed attempt did that :meth:`rollback` does not undo, for the judge

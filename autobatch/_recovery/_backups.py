@@ -142,6 +142,18 @@ def scalar_slots(fn: Any) -> list[Slot]:
     return slots
 
 
+def hyperparameter_slots(optimizers: Any) -> list[Slot]:
+    """The optimizers' numeric hyperparameters (``lr``, ``momentum``, ``weight_decay``, ...):
+    a step that sets them itself (``group["lr"] = ...``) has them put back with its scalars."""
+    return [(group, k, True) for o in optimizers for group in o.param_groups
+            for k, v in group.items() if type(v) is float]
+
+
+def step_scalars(fn: Any, optimizers: Any) -> list[Slot]:
+    """Where the step keeps Python numbers, its optimizers' hyperparameters included."""
+    return scalar_slots(fn) + hyperparameter_slots(optimizers)
+
+
 def scalars_began(fn: Any, slots: list[Slot], values: list[Any]) -> Callable[[], None]:
     """What puts the step's Python scalars back as they were (``values`` at ``slots``), and
     drops those its ``self`` got since (``self.calls = 1`` first written by the call)."""

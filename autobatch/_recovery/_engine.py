@@ -44,7 +44,7 @@ from autobatch._recovery._attempt import (
     structure_epoch,
     watch_structure,
 )
-from autobatch._recovery._backups import read_scalars, scalar_slots
+from autobatch._recovery._backups import read_scalars, step_scalars
 from autobatch._recovery._ledger import Ledger, see_optimizer_steps
 from autobatch._recovery._options import Policy, RecoveryOptions
 from autobatch._recovery._pieces import _BatchRun, room
@@ -95,7 +95,7 @@ class _Engine:
         if options.model is not None:
             self.named = {"model": options.model, **self.named}
         self.known = _Known(self.named.values(), self.optimizers)
-        self.scalars = scalar_slots(fn)  # (looked at again on each watched call)
+        self.scalars = step_scalars(self.fn, self.optimizers)  # (again on watched calls)
         self.optimized_ids = {  # the parameters the step's own optimizers update
             id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]
         }
@@ -319,7 +319,7 @@ class _Engine:
 
     def finished(self, batch: Batch, samples: int, stepped: bool) -> None:
         """A call on the slow path is done (``stepped``: an optimizer of the step's own)."""
-        self.scalars = scalar_slots(self.fn)  # (one the call wrote first: `self.calls = 1`)
+        self.scalars = step_scalars(self.fn, self.optimizers)  # (`self.calls = 1`, say)
         if not stepped and (self.optimizers or self.keeps_gradients):
             self._note_carried()
         self.calls += 1
@@ -403,7 +403,7 @@ class _Engine:
                 self.known.add_module(module)
         learning = self.calls == 0 or self.learned != structure_epoch()
         if learning:
-            self.scalars = scalar_slots(self.fn)
+            self.scalars = step_scalars(self.fn, self.optimizers)
             self._discover(args)
             self.known.refresh()
             watch_structure(self.known.modules)
