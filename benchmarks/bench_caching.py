@@ -629,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help=f"{', '.join(QUICK_MODELS)}, one capacity each")
     parser.add_argument("--no-peers", action="store_true", help="run ours only")
+    parser.add_argument("--peers", nargs="+", default=None, metavar="LABEL",
+                        help="run only these peers (their labels, e.g. batch-finder)")
     args = parser.parse_args(argv)
     arguments = sys.argv[1:] if argv is None else argv
 
@@ -637,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     capacities = {m: tuple(args.capacities or chosen.get(m, MODELS[m])) for m in models}
     torch.set_num_threads(1)
     peers, missing = ([], []) if args.no_peers else load_peers()
+    if args.peers is not None:
+        peers = [peer for peer in peers if peer.label in args.peers]
     # As in bench_search: several peers call gc.collect() on every trial; freezing what is
     # loaded makes those calls cheap (what they collect, and so every result, is the same).
     gc.collect()

@@ -282,7 +282,8 @@ def bench_three_times(workloads: list[tuple[str, int]], batches: int) -> None:
           "retry_on_oom, AdamW)")
     print(
         "The device holds the reserved peak (the caching allocator's segments) of a steady step "
-        "on a third of the batch, so no batch runs whole; a recovered batch is one that ran out "
+        "on a third of the batch, so no batch runs whole once the optimizer's state exists; a "
+        "recovered batch is one that ran out "
         "of memory at least once before it trained in pieces\n"
     )
     print("| workload | batch | batches | recovered | OOMs | mean OOMs per recovered batch "
