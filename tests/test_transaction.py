@@ -621,20 +621,30 @@ def _counting(where: str) -> Callable[..., Callable[..., Any]]:
             opt.step()
             return loss.detach()
 
-        return {"nonlocal": nonlocal_step, "dict": dict_step,
+        calls = [0]
+
+        def list_step(batch: Any) -> torch.Tensor:
+            calls[0] += 1
+            opt.zero_grad()
+            loss = _loss(model, batch) * (1 + calls[0] % 3)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return {"nonlocal": nonlocal_step, "dict": dict_step, "list": list_step,
                 "self": _CallCounter(model, opt).step}[where]
 
     return make
 
 
-@pytest.mark.parametrize("where", ["nonlocal", "dict", "self"])
+@pytest.mark.parametrize("where", ["nonlocal", "dict", "list", "self"])
 @pytest.mark.parametrize("fault", FAULTS[:2])
 @pytest.mark.parametrize("at_calls", [{0}, {3}, {2, 4}])
 def test_a_python_counter_that_weights_the_loss_counts_each_call_once(
     where: str, fault: str, at_calls: set[int]
 ) -> None:
-    """``loss * (1 + n % 3)`` with ``n`` counted by the step (``nonlocal``, in a dict of its
-    closure, on ``self``): the failed attempt and every micro-batch used to count, so the
+    """``loss * (1 + n % 3)`` with ``n`` counted by the step (``nonlocal``, in a dict or a
+    one-item list of its closure, on ``self``): the failed attempt and every micro-batch used to count, so the
     pieces' losses were weighted otherwise than the batch's (params off 2.2e-1, silently).
     The step's Python numbers are put back after a failed attempt and before each
     micro-batch."""

@@ -110,8 +110,9 @@ class Backups:
 # Python scalars the step keeps ---------------------------------------------------------------
 
 #: Where a Python scalar lies: ``(holder, name, item)``: a closure cell's ``cell_contents``
-#: or an attribute of the step's ``self`` (``item`` False), or a key of a dict in a closure
-#: cell (``state = {"step": 0}``, ``item`` True).
+#: or an attribute of the step's ``self`` (``item`` False), or a key of a dict or the item of
+#: a one-item list in a closure cell (``state = {"step": 0}``, ``n = [0]``; ``item`` True). A
+#: list that no longer holds one item was appended to: a log, left as it is.
 Slot = tuple[Any, Any, bool]
 _SCALARS = (int, float, str, bool, type(None))
 _MISSING = object()
@@ -122,8 +123,8 @@ def scalar_slots(fn: Any) -> list[Slot]:
     them, and, for a method, its instance's attributes, that hold a number, a string, a flag
     or ``None`` (a call counter, a flag). A failed attempt puts them back, and every
     micro-batch starts from the batch's values, so that they change once per call: a counter
-    counts the call once, and a loss it weights is the batch's. (Lists are logs: an append
-    runs once per micro-batch; a count of rows kept in the step counts the last
+    counts the call once, and a loss it weights is the batch's. (A list appended to is a log:
+    an append runs once per micro-batch; a count of rows kept in the step counts the last
     micro-batch's.)"""
     slots: list[Slot] = []
     for cell in getattr(fn, "__closure__", None) or ():
@@ -135,6 +136,8 @@ def scalar_slots(fn: Any) -> list[Slot]:
             slots.append((cell, "cell_contents", False))
         elif type(value) is dict:
             slots += [(value, k, True) for k, v in value.items() if isinstance(v, _SCALARS)]
+        elif type(value) is list and len(value) == 1 and isinstance(value[0], _SCALARS):
+            slots.append((value, 0, True))
     owner = getattr(fn, "__self__", None)
     held = getattr(owner, "__dict__", None)
     if isinstance(held, dict) and not isinstance(owner, type):
@@ -173,8 +176,14 @@ def scalars_began(fn: Any, slots: list[Slot], values: list[Any]) -> Callable[[],
     return put_back
 
 
+def _get(holder: Any, name: Any) -> Any:
+    if type(holder) is list:
+        return holder[0] if len(holder) == 1 else _MISSING
+    return holder.get(name, _MISSING)
+
+
 def read_scalars(slots: list[Slot]) -> list[Any]:
-    return [holder.get(name, _MISSING) if item else getattr(holder, name)
+    return [_get(holder, name) if item else getattr(holder, name)
             for holder, name, item in slots]
 
 
@@ -183,6 +192,9 @@ def put_scalars(slots: list[Slot], values: list[Any]) -> None:
         if not item:
             if getattr(holder, name) is not value:
                 setattr(holder, name, value)
+        elif type(holder) is list:
+            if len(holder) == 1 and value is not _MISSING and holder[0] is not value:
+                holder[0] = value
         elif value is _MISSING:
             holder.pop(name, None)
         elif holder.get(name, _MISSING) is not value:
