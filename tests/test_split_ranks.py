@@ -32,12 +32,14 @@ def _ddp_periodic_all_reduce(rank: int, guarded: bool) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(rank)
     batches = [torch.randn(8, 8, generator=generator) for _ in range(7)]
     logged: list[float] = []
-    calls = [0]
+    calls = [0]  # (a counter the step keeps: put back after a failed attempt, so it counts calls)
+    fired: list[int] = []  # (a log: the fault fires once)
 
     def step(batch: torch.Tensor) -> None:
         calls[0] += 1
         opt.zero_grad()
-        if guarded and rank == 1 and calls[0] == 5:
+        if guarded and rank == 1 and calls[0] == 5 and not fired:
+            fired.append(1)
             raise OOM_KINDS["cuda"]()  # (its forward ran out before the all-reduce)
         loss = model(batch).square().mean()
         if calls[0] >= 5:  # logging, after four calls without a collective of the step's own
@@ -77,12 +79,14 @@ def _fsdp_oom_before_clipping(rank: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batches = [_tokens(8, 10 * rank + i) for i in range(3)]
     calls = [0]
+    fired: list[int] = []  # (a log: the fault fires once)
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         calls[0] += 1
         opt.zero_grad()
         nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
-        if rank == 1 and calls[0] == 2:
+        if rank == 1 and calls[0] == 2 and not fired:
+            fired.append(1)
             raise OOM_KINDS["cuda"]()
         nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
