@@ -684,6 +684,37 @@ def test_a_refusal_on_the_fast_path_puts_back_hyperparameters_and_names_dropped_
     assert "dropped (zero_grad() at its start)" in str(info.value)
 
 
+@pytest.mark.parametrize("batch_over", [4, 5])  # (equal pieces, or not)
+def test_a_row_count_and_a_call_count_kept_in_the_step_end_as_unsplit(batch_over: int) -> None:
+    """``rows += len(x)`` sums every piece's rows (a long run's own count lost a quarter of its
+    samples when each piece started from the batch's value and the last one's stood);
+    ``calls += 1`` counts the call once; a float running total sums the pieces'."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows, calls = [0], 0
+    state = {"seen": 0.0}
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: Any) -> None:
+        nonlocal calls
+        calls += 1
+        opt.zero_grad()
+        _loss(model, batch).backward()
+        opt.step()
+        rows[0] += len(batch[0])
+        state["seen"] += 0.5 * len(batch[0])
+
+    for call in range(4):
+        if call == 2:
+            with inject_oom(batch_over=batch_over):
+                step(_data(call))
+        else:
+            step(_data(call))
+    assert rows[0] == 32
+    assert calls == 4
+    assert state["seen"] == 16.0
+
+
 def _assert_untouched(model: nn.Module, params: list[torch.Tensor]) -> None:
     """After a refused call: every parameter as before, and no gradient left behind."""
     for p, q in zip(model.parameters(), params, strict=True):

@@ -157,23 +157,57 @@ def step_scalars(fn: Any, optimizers: Any) -> list[Slot]:
     return scalar_slots(fn) + hyperparameter_slots(optimizers)
 
 
-def scalars_began(fn: Any, slots: list[Slot], values: list[Any]) -> Callable[[], None]:
-    """What puts the step's Python scalars back as they were (``values`` at ``slots``), and
-    drops those its ``self`` got since (``self.calls = 1`` first written by the call)."""
-    owner = getattr(fn, "__self__", None)
-    held = getattr(owner, "__dict__", None)
-    attributes: dict[str, Any] = held if isinstance(held, dict) and not isinstance(
-        owner, type) else {}
-    names = set(attributes)
+class ScalarsBegan:
+    """The step's Python scalars as a batch began: put back after a failed attempt, before
+    each micro-batch (so that each sees the batch's values: a counter that weights the loss
+    weights every micro-batch alike), and after a refusal; and settled after the last piece.
 
-    def put_back() -> None:
-        put_scalars(slots, values)
-        if len(attributes) != len(names):
-            for name in [k for k, v in attributes.items()
-                         if k not in names and isinstance(v, _SCALARS)]:
-                del attributes[name]
+    How a number ends after a split depends on what it counts, which the pieces show: each
+    added the same whole number that is not a multiple of its rows (``calls += 1``): one
+    call's worth, as unsplit; otherwise (``rows += len(x)``, a float running total) the sum
+    of what every piece added. A flag or a string ends as the last piece left it. Attributes its
+    ``self`` got during the batch (``self.calls = 1`` first written by this call) are dropped
+    before each piece."""
 
-    return put_back
+    def __init__(self, fn: Any, slots: list[Slot], values: list[Any]) -> None:
+        self.slots, self.values = slots, values
+        owner = getattr(fn, "__self__", None)
+        held = getattr(owner, "__dict__", None)
+        self.attributes: dict[str, Any] = held if isinstance(held, dict) and not isinstance(
+            owner, type) else {}
+        self.names = set(self.attributes)
+        self.pieces: list[tuple[int, list[Any]]] = []  # (rows, values after it)
+
+    def put_back(self) -> None:
+        put_scalars(self.slots, self.values)
+        if len(self.attributes) != len(self.names):
+            for name in [k for k, v in self.attributes.items()
+                         if k not in self.names and isinstance(v, _SCALARS)]:
+                del self.attributes[name]
+
+    def piece_done(self, rows: int) -> None:
+        if self.slots:
+            self.pieces.append((rows, read_scalars(self.slots)))
+
+    def settle(self) -> None:
+        """After the last piece: each number as the rule above says."""
+        if len(self.pieces) < 2:
+            return
+        settled = list(self.pieces[-1][1])
+        for i, start in enumerate(self.values):
+            ends = [values[i] for _, values in self.pieces]
+            if not all(_number(v) for v in (start, *ends)):
+                continue
+            added = [end - start for end in ends]
+            rows = [n for n, _ in self.pieces]
+            per_call = len(set(added)) == 1 and isinstance(added[0], int) and not all(
+                a != 0 and a % n == 0 for a, n in zip(added, rows, strict=True))
+            settled[i] = start + (added[0] if per_call else sum(added))
+        put_scalars(self.slots, settled)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _get(holder: Any, name: Any) -> Any:

@@ -34,7 +34,7 @@ from autobatch._recovery._arguments import (
     warn_tuples,
 )
 from autobatch._recovery._attempt import _Attempt, _Failure, _Known, kept_by
-from autobatch._recovery._backups import Slot, read_scalars, scalars_began
+from autobatch._recovery._backups import ScalarsBegan, Slot, read_scalars
 from autobatch._recovery._embed import chunked
 from autobatch._recovery._inspect import engine_work
 from autobatch._recovery._ledger import Ledger
@@ -162,7 +162,7 @@ class _BatchRun:
         # the step's Python scalars as the call began: every piece starts from them
         began = attempt.scalars if attempt is not None and attempt.scalars is not None else (
             read_scalars(engine.scalars))
-        self.scalars = scalars_began(engine.fn, engine.scalars, began)
+        self.scalars = ScalarsBegan(engine.fn, engine.scalars, began)
         try:
             if failure is not None:
                 assert attempt is not None
@@ -174,11 +174,12 @@ class _BatchRun:
                     engine.size_changed(*grown, "grow")
             while self.done < self.total:
                 self._next(attempt)
+            self.scalars.settle()
         except BaseException as error:
             # A refusal, an error of the step's own, a batch too large: nothing of the batch
             # is kept. (After an update that was partly applied, the state stays as it is.)
             if isinstance(error, AutobatchError) and not isinstance(error, _Applied):
-                self.scalars()  # (a refusal: as before the call)
+                self.scalars.put_back()  # (a refusal: as before the call)
             if self.opened and not isinstance(error, _Applied):
                 if self.session is not None:
                     self.session.restart()
@@ -261,7 +262,7 @@ class _BatchRun:
     def _next(self, attempt: _Attempt | None) -> None:
         """Run the next piece; after an OOM, recover (a smaller size for the next)."""
         engine, coord, total, done = self.engine, self.coord, self.total, self.done
-        self.scalars()  # (every piece starts from them: a counter counts the batch's call once)
+        self.scalars.put_back()  # (every piece starts from them: see ScalarsBegan)
         n = engine.next_piece(self.key, self.eps, total - done, self.memory, coord)
         chunk = None  # (a step that embeds in pieces: the whole batch, its encoder in chunks)
         if n < total and done == 0 and engine.embeds and engine.policy == "accumulate":
@@ -348,6 +349,7 @@ class _BatchRun:
             if memory.has_statistics and chunk is None:  # (its own memory: not the piece's)
                 engine.sizes.record(self.key, self.eps, n, phases.outside - baseline)
             self.pieces.append((n, result, weight))
+            self.scalars.piece_done(n)
             self.done += n
             refined = None if chunk is not None else engine.sizes.after_piece(
                 self.key, self.eps, n, _segmented_room(memory, phases))
