@@ -475,6 +475,17 @@ def check_guard(
     return rows
 
 
+def _workload(
+    make: Callable[[], nn.Module], sample: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    n: int, device: torch.device,
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """A workload's model (seeded), its AdamW and a batch of ``n`` on ``device``."""
+    torch.manual_seed(0)
+    model = make().to(device)
+    x, y = (t.to(device) for t in sample(n))
+    return model, torch.optim.AdamW(model.parameters()), x, y
+
+
 def check_recording_cost(
     device: torch.device, dry_run: bool, workloads: Workloads, n: int = 64, repeats: int = 5
 ) -> list[str]:
@@ -484,10 +495,7 @@ def check_recording_cost(
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, (make, sample) in workloads.items():
-        torch.manual_seed(0)
-        model = make().to(device)
-        opt = torch.optim.AdamW(model.parameters())
-        x, y = (t.to(device) for t in sample(n))
+        model, opt, x, y = _workload(make, sample, n, device)
         _step(model, opt, x, y)  # the optimizer state exists: steady state, as in a trial
         best: dict[bool | None, float] = {None: math.inf, False: math.inf, True: math.inf}
         operators = 0
@@ -973,10 +981,7 @@ def check_fast_path(
         "|---|---|---|---|---|",
     ]
     for name, (make, sample) in workloads.items():
-        torch.manual_seed(0)
-        model = make().to(device)
-        opt = torch.optim.AdamW(model.parameters())
-        x, y = (t.to(device) for t in sample(n))
+        model, opt, x, y = _workload(make, sample, n, device)
         guarded = autobatch.retry_on_oom(optimizer=opt)(_BatchStep(model, opt))
         with _measured(device, dry_run) as gpu:
             if gpu is not None:

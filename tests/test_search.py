@@ -9,7 +9,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import pytest
@@ -907,3 +907,21 @@ def test_a_curve_that_misses_a_measured_peak_is_not_trusted() -> None:
     assert outcome.largest_fit is not None
     assert per(outcome.largest_fit) <= capacity < per(outcome.largest_fit + 1)  # still exact
     assert trusted_curve(outcome.trials, capacity) is None
+
+
+def test_a_replay_answers_for_the_trials_from_its_floor_up() -> None:
+    """A caching allocator's replay worked out from trials at 100 and 200 is trusted although
+    a trial at 8 (a model that takes another branch below 64 rows) does not match it; without
+    the floor, that trial makes it untrusted, and a failure above the floor that it says fits
+    still does."""
+    def peaks(n: int) -> tuple[int, int] | None:
+        return (1000 * n, 1000 * n) if n <= 300 else None
+
+    small = Trial(8, True, 999)  # (another graph: not on the replay's line)
+    above = [Trial(100, True, 100_000), Trial(200, True, 200_000)]
+    floored = Verdicts(peaks, ceiling=400, floor=100)
+    assert trusted_curve([small, *above[:1], replace(above[1], curve=floored)], 10**9) is floored
+    plain = Verdicts(peaks, ceiling=400)
+    assert trusted_curve([small, *above[:1], replace(above[1], curve=plain)], 10**9) is None
+    wrong = [*above[:1], replace(above[1], curve=floored), Trial(250, False)]
+    assert trusted_curve(wrong, 10**9) is None

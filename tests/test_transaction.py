@@ -84,14 +84,17 @@ FAULTS = ["forward", "backward after gradients landed", "first optimizer step"]
 def _train(
     make_step: Callable[[nn.Module, torch.optim.Optimizer], Callable[..., Any]],
     kind: str, fault: str | None, at_calls: set[int], calls: int = 5,
+    options: Callable[[Any], dict[str, Any]] = lambda step: {},
 ) -> nn.Module:
+    """The loop over ``calls`` batches, guarded (``retry_on_oom(optimizer=opt,
+    **options(step))``) with ``fault`` at ``at_calls``, or unguarded without one."""
     model = _model()
     opt: torch.optim.Optimizer = (
         torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9) if kind == "sgd"
         else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     )
     step = make_step(model, opt)
-    guarded = retry_on_oom(optimizer=opt)(step) if fault is not None else step
+    guarded = retry_on_oom(optimizer=opt, **options(step))(step) if fault is not None else step
     faults = _faults() if fault is not None else {}
     for call in range(calls):
         batch = _data(call)
@@ -515,23 +518,11 @@ def test_the_plain_amp_step_without_unscale_is_exact_when_split(
         step.scaler = scaler  # type: ignore[attr-defined]
         return step
 
-    def train(fail: str | None) -> nn.Module:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        step = make(model, opt)
-        options = {"scaler": step.scaler} if given else {}  # type: ignore[attr-defined]
-        run = retry_on_oom(optimizer=opt, **options)(step) if fail else step
-        faults = _faults() if fail else {}
-        for call in range(7):
-            batch = _data(call)
-            if fail and call in at_calls:
-                with faults[fail]():
-                    run(batch)
-            else:
-                run(batch)
-        return model
+    def options(step: Any) -> dict[str, Any]:
+        return {"scaler": step.scaler} if given else {}
 
-    _assert_same(train(fault), train(None))
+    truth = _train(make, "sgd", None, set(), calls=7)
+    _assert_same(_train(make, "sgd", fault, at_calls, calls=7, options=options), truth)
 
 
 @pytest.mark.parametrize("fault", FAULTS[:2])
