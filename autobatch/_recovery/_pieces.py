@@ -387,6 +387,8 @@ class _BatchRun:
                 describe_params, named=engine.named, modules=engine.known.modules))
             verdict = judge(engine.name, failure.kind, failure.inside, seen, engine.optimizers)
             if verdict is not None:
+                if seen.carried and whole is not None:  # (no parameter changed: the rest,
+                    whole.rollback()                    # a BatchNorm's statistics, goes back)
                 raise verdict from failure.exc
         except AutobatchError as error:
             applied = error if isinstance(error, _Applied) else _Applied(str(error))
