@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from autobatch._batch import resize_batch
 from autobatch._memory._backends import memory_for
 from autobatch._memory._measure import per_operator_possible
-from autobatch._search import Trial
+from autobatch._search import Trial, Verdicts
 from autobatch._sizing._trial import TrialRunner
 from autobatch._sizing._workload import TrainingStep, prime_optimizer
 from autobatch.testing import SimulatedGPU
@@ -230,6 +230,43 @@ def test_a_later_step_that_runs_out_fails_the_trial() -> None:
     assert exact.fits
     assert exact.steps == 1
     assert exact.reserved_bytes is None
+
+
+def test_a_later_curve_that_replays_the_same_storages_replays_no_size_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trials at 2, 8 and 32 create and free the same storages (lines in the size) from the
+    same layout: the curves of the last two are one function, so what the second worked out
+    the third answers without a replay of its own, and alike."""
+    from autobatch._memory._allocator import CachingAllocator
+
+    torch.manual_seed(0)
+    model = WORKLOADS["mlp"].model()
+    replayed: list[int] = []
+    replay = CachingAllocator.replay
+
+    def counted(
+        self: CachingAllocator, events: Iterable[tuple[int, int]]
+    ) -> tuple[int, int] | None:
+        replayed.append(1)
+        return replay(self, events)
+
+    monkeypatch.setattr(CachingAllocator, "replay", counted)
+    with SimulatedGPU("64MiB", allocator="caching") as gpu:
+        gpu.adopt(model)
+        runner, _ = _runner(model)
+        runner(2)
+        second = runner(8).curve
+        assert isinstance(second, Verdicts)
+        sizes = range(10, 300, 7)
+        verdicts = [second.peak_at(n) for n in sizes]
+        assert any(v is not None for v in verdicts)
+        third = runner(32).curve
+        assert isinstance(third, Verdicts)
+        assert third is not second
+        replayed.clear()
+        assert [third.peak_at(n) for n in sizes] == verdicts
+    assert not replayed
 
 
 def test_every_trial_starts_from_an_empty_cache() -> None:

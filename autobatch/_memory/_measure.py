@@ -396,8 +396,13 @@ def _curve(first: StorageTrial, second: StorageTrial, block: int) -> Callable[[i
     return peak
 
 
+#: What replays worked out, by what they replay (see :func:`_replayed_curve`): size -> peaks.
+Replays = dict[Any, dict[int, tuple[int, int] | None]]
+
+
 def _replayed_curve(
-    first: StorageTrial, second: StorageTrial, model: AllocationModel
+    first: StorageTrial, second: StorageTrial, model: AllocationModel,
+    replays: Replays | None = None,
 ) -> Verdicts | None:
     """Which sizes fit, and their peaks, from two trials' storage events (alike but for
     sizes) replayed through a copy of the caching allocator as
@@ -405,13 +410,24 @@ def _replayed_curve(
     copy places them as the device does, segments and block pools included. Its ceiling is
     the largest size whose storages, packed without a gap, stay within the allocator's limit:
     no larger size can fit. ``None`` unless the replay gives both trials' measured peaks
-    exactly."""
+    exactly.
+
+    ``replays`` keeps each size's replay for later curves that replay the same thing: the
+    same lines, in the same order, through an allocator with the same limit and the same
+    blocks (a later trial's, whose layout the search compared already). New segments go above
+    every block there is, wherever the copy's next address lies, so the same blocks place the
+    same storages alike: one function, each size replayed once."""
     n1, base, events1, peak1 = first.size, first.base, first.events, first.peak
     n2, events2, peak2 = second.size, second.events, second.peak
     lines = _lines((n1, events1), (n2, events2))
     if lines is None:
         return None
     order = [(serial, nbytes < 0) for _, serial, nbytes in events1]
+    known = None
+    if replays is not None:
+        key = (tuple(sorted(lines.items())), tuple(order), model.limit,
+               model.expandable_segments, tuple(model.blocks()))
+        known = replays.setdefault(key, {})
 
     def replay(n: int) -> tuple[int, int] | None:
         size = _sizes(lines, n)
@@ -428,7 +444,7 @@ def _replayed_curve(
         while high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if packed(middle) <= model.limit else (low, middle)
-        curve = Verdicts(replay, ceiling=low, floor=min(n1, n2))
+        curve = Verdicts(replay, ceiling=low, floor=min(n1, n2), known=known)
         if curve.peak_at(n1) != peak1 or curve.peak_at(n2) != peak2:
             return None
     except ValueError:

@@ -216,7 +216,9 @@ class Verdicts:
     worked out once. Fitting need not be monotone there (a size fails where its tensors just
     pass a pool's threshold, and a larger one fits): the largest that fits is looked for below
     its ``ceiling``, above which nothing can. ``peaks(n)`` gives the allocated and reserved
-    peaks at ``n``, or ``None`` where ``n`` does not fit.
+    peaks at ``n``, or ``None`` where ``n`` does not fit. Curves that are one function (the
+    same storages replayed through the same allocator, from later trials) may share what is
+    worked out: ``known``, a dict from size to ``peaks(size)``, read and filled by each.
 
     >>> curve = Verdicts(lambda n: (100 * n, 128 * n) if n <= 7 else None)
     >>> curve(7), curve(8) == OUT_OF_MEMORY, curve.peak_at(8), curve.reserved_at(7)
@@ -225,10 +227,10 @@ class Verdicts:
 
     def __init__(
         self, peaks: Callable[[int], tuple[int, int] | None], ceiling: int | None = None,
-        floor: int | None = None,
+        floor: int | None = None, known: dict[int, tuple[int, int] | None] | None = None,
     ) -> None:
         self._peaks = peaks
-        self._known: dict[int, tuple[int, int] | None] = {}
+        self._known: dict[int, tuple[int, int] | None] = {} if known is None else known
         #: No size above this fits (``None``: unknown).
         self.ceiling = ceiling
         #: The smallest size whose trial it was worked out from: a smaller one may run another

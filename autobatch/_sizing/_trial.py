@@ -24,6 +24,7 @@ from autobatch._log import get_logger, user_stacklevel
 from autobatch._memory._backends import AllocationModel, DeviceMemory, free_memory
 from autobatch._memory._measure import (
     PeakKeeping,
+    Replays,
     StorageTrial,
     _curve,
     _replayed_curve,
@@ -269,6 +270,7 @@ class TrialRunner:
         self.adaptive = adaptive
         self.records: list[Trial] = []
         self._storage_trials: list[tuple[StorageTrial, Any]] = []  # fits, with their shape
+        self._replays: Replays = {}  # what the allocator's replays worked out, shared
 
     def _run(
         self, size: int, peaks: _StepPeaks, steady: _SteadyState, watched: int
@@ -362,7 +364,7 @@ class TrialRunner:
         self._storage_trials = [*self._storage_trials[-3:], (record, shape)]
         for other in reversed(earlier):
             if model is not None:
-                replayed = _replayed_curve(other, record, model)
+                replayed = _replayed_curve(other, record, model, self._replays)
                 if replayed is not None:
                     return replayed
                 continue
