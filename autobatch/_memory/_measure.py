@@ -18,7 +18,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from autobatch._memory._accounting import LIFT_FRESH, DispatchMode
+from autobatch._memory._accounting import LIFT_FRESH, DispatchMode, op_facts
 from autobatch._memory._backends import AllocationModel, DeviceMemory
 from autobatch._oom import failure_kind
 from autobatch._search import Verdicts
@@ -44,6 +44,8 @@ class PeakKeeping(DeviceMemory):
         self.inner = memory
         self.has_statistics = memory.has_statistics  # type: ignore[misc]
         self.highest = memory.peak_bytes() if memory.has_statistics else 0
+        # (under a caching allocator restore_peak puts nothing back: no reading to keep)
+        self._keeps = memory.has_statistics and not memory.caches
 
     def capacity_bytes(self) -> int:
         return self.inner.capacity_bytes()
@@ -55,7 +57,7 @@ class PeakKeeping(DeviceMemory):
         return self.inner.peak_bytes()
 
     def reset_peak(self) -> None:
-        if self.has_statistics:
+        if self._keeps:
             self.highest = max(self.highest, self.inner.peak_bytes())
         self.inner.reset_peak()
 
@@ -239,8 +241,8 @@ class _OperatorMode(DispatchMode):
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.close()
         out = func(*args, **kwargs)
-        if self.storages is not None:  # (lift_fresh's input is itself new: torch.tensor(data))
-            self.storages.born(out, () if func is LIFT_FRESH else (args, kwargs))
+        if self.storages is not None:
+            self.storages.born(out, func, (args, kwargs))
         return out
 
 
@@ -257,9 +259,11 @@ class _Storages:
         self.sizes: dict[int, int] = {}  # serial -> bytes at birth
         self.exact = True  # False once something happened that the events cannot replay
 
-    def born(self, out: Any, inputs: Any) -> None:
-        """Record the new storages among an operator's outputs (a view of an input, or of a
-        storage made before the trial, is none)."""
+    def born(self, out: Any, func: Any, inputs: Any) -> None:
+        """Record the new storages among the outputs of the operator ``func`` (a view of an
+        input, or of a storage made before the trial, is none). Only an operator whose schema
+        lets a result alias an argument can return an input's storage (lift_fresh's input is
+        itself new: ``torch.tensor(data)``): the inputs are looked at for the others only."""
         views: set[int] | None = None
         stack = [out]
         while stack:
@@ -275,7 +279,8 @@ class _Storages:
                 serial = self.serials.get(key)
                 if serial is None:
                     if views is None:
-                        views = _storage_keys(inputs)
+                        fresh = func is LIFT_FRESH or op_facts(func).fresh
+                        views = set() if fresh else _storage_keys(inputs)
                     if key in views:
                         continue
                     serial = self.serials[key] = len(self.sizes)
