@@ -41,21 +41,22 @@ from torch import nn
 
 import autobatch
 from autobatch._sizing._planner import plan_max_batch
-from autobatch._units import format_bytes
+from autobatch._units import format_bytes, parse_bytes
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS, RecurrentClassifier, TinyTransformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_search  # a sibling module of this script
+import bench_caching  # sibling modules of this script
+import bench_search
 
 SIZES = (1, 8, 64, 256)
 CAPACITY = {"mlp": "16MiB", "conv": "128MiB", "transformer": "128MiB"}
-GOAL_ERROR, GOAL_SECONDS, GOAL_MEDIAN_TRIALS = 0.01, 10.0, 3
+GOAL_ERROR, GOAL_SECONDS, GOAL_MEDIAN_TRIALS, GOAL_SEGMENTS = 0.01, 10.0, 3, 0.05
 
 
 def simulated(model: nn.Module, sample: Any, capacity: int | str, **options: Any) -> Any:
     """search_batch_size with real CPU steps on a simulated GPU of ``capacity``."""
-    with SimulatedGPU(capacity) as gpu:
+    with SimulatedGPU(capacity, allocator="exact") as gpu:
         gpu.adopt(model)
         return autobatch.search_batch_size(
             model, sample, torch.optim.Adam, loss_fn=F.cross_entropy, headroom=0, **options
@@ -80,13 +81,14 @@ def accuracy() -> bool:
         model, sample = work.model(), work.sample(4)
         started = time.perf_counter()
         plan = plan_max_batch(model, sample, torch.optim.Adam, CAPACITY[name],
-                              loss_fn=F.cross_entropy, device="cpu")
+                              loss_fn=F.cross_entropy, device="cpu", allocator="exact")
         seconds = time.perf_counter() - started
         exact = simulated(model, sample, CAPACITY[name]).max_batch_size
         ok &= plan.max_batch_size == exact
         for n in (*SIZES, exact):
             planned = plan_max_batch(model, sample, torch.optim.Adam, "1TiB", min_batch=n,
-                                     max_batch=n, loss_fn=F.cross_entropy, device="cpu")
+                                     max_batch=n, loss_fn=F.cross_entropy, device="cpu",
+                                     allocator="exact")
             peak = dict(planned.points)[n]
             real = simulated_peak(model, sample, n)
             error = (peak - real) / real
@@ -173,9 +175,9 @@ def recurrent_and_hugging_face() -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fallback's warning; the method column says it
             plan = plan_max_batch(model, sample, torch.optim.AdamW, capacity, loss_fn=loss,
-                                  device="cpu", headroom=0)
+                                  device="cpu", headroom=0, allocator="exact")
         seconds = time.perf_counter() - started
-        with SimulatedGPU(capacity) as gpu:
+        with SimulatedGPU(capacity, allocator="exact") as gpu:
             gpu.adopt(model)
             exact = autobatch.search_batch_size(
                 model, sample, torch.optim.AdamW, loss_fn=loss, headroom=0
@@ -201,7 +203,7 @@ def speed() -> bool:
           f"(goal <= {GOAL_SECONDS:g} s), {len(plan.points)} planned steps\n")
     print("```\n" + repr(plan) + "\n```\n")
     at_two = plan_max_batch(model, sample, torch.optim.Adam, "1TiB", min_batch=2, max_batch=2,
-                            loss_fn=F.cross_entropy, device="cpu")
+                            loss_fn=F.cross_entropy, device="cpu", allocator="exact")
     started = time.perf_counter()
     real = simulated_peak(model, sample, 2)
     real_seconds = time.perf_counter() - started
@@ -219,13 +221,13 @@ def seeded(targets: dict[str, tuple[int, ...]]) -> bool:
     counts: list[int] = []
     ok = True
     for name, wanted in targets.items():
-        setup = bench_search.make_setup(name)
+        setup = bench_search.make_setup(name, "exact")
         for target in wanted:
-            capacity, bstar = bench_search.capacity_for(setup, target)
+            capacity, bstar = bench_search.exact_truth(setup, target).capacity, target
             model, optimizer = setup.copy()
             started = time.perf_counter()
             plan = plan_max_batch(model, (setup.inputs, setup.labels), optimizer, capacity,
-                                  loss_fn=F.cross_entropy, device="cpu")
+                                  loss_fn=F.cross_entropy, device="cpu", allocator="exact")
             seconds = time.perf_counter() - started
             runs = {}
             for label, options in (
@@ -233,7 +235,7 @@ def seeded(targets: dict[str, tuple[int, ...]]) -> bool:
                 ("unseeded", {}),
             ):
                 model, optimizer = setup.copy()
-                with SimulatedGPU(capacity) as gpu:
+                with SimulatedGPU(capacity, allocator="exact") as gpu:
                     gpu.adopt(model, optimizer)
                     runs[label] = autobatch.search_batch_size(
                         model, (setup.inputs, setup.labels), optimizer,
@@ -251,6 +253,69 @@ def seeded(targets: dict[str, tuple[int, ...]]) -> bool:
     return ok and median <= GOAL_MEDIAN_TRIALS
 
 
+def segments(models: dict[str, tuple[str, ...]]) -> bool:
+    """The plan on the caching allocator's model against a user's fresh loop in the simulator."""
+    print("## 4. Segments: the plan against the caching allocator's truth\n")
+    print("The plan (`allocator=\"caching\"`, the default; `device=\"cpu\"`, which plans the "
+          "kernels the simulator runs) for bench_caching's models, capacities and settings, "
+          "next to the largest size a user's fresh loop trains in "
+          "`SimulatedGPU(capacity, allocator=\"caching\")` (fresh model, fresh optimizer, "
+          f"{bench_search.CACHING_STEPS} steps, each batch copied in), found by galloping from "
+          "the plan and bisecting, then again above it where 1.25, 1.5 or 2 times it trains. "
+          "The old plan (`allocator=\"exact\"`, allocated bytes only) "
+          "beside it.\n")
+    print("| model | capacity | setting | truth | plan | error % | plan trains | plan+1 fails "
+          "| plan s | exact-accounting plan | its error % |")
+    print("|---|---:|---|---:|---:|---:|:---:|:---:|---:|---:|---:|")
+    errors: list[float] = []
+    for name, capacities in models.items():
+        for capacity_text in capacities:
+            capacity = parse_bytes(capacity_text)
+            for setting, expandable in bench_caching.SETTINGS.items():
+                setup = bench_caching.setup_for(name)
+                sample = (setup.inputs, setup.labels)
+                with bench_caching.allocator_setting(expandable), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # (a step planned from real CPU steps)
+                    model, optimizer = setup.copy()
+                    started = time.perf_counter()
+                    plan = plan_max_batch(model, sample, optimizer, capacity,
+                                          loss_fn=F.cross_entropy, device="cpu")
+                    seconds = time.perf_counter() - started
+                    model, optimizer = setup.copy()
+                    old = plan_max_batch(model, sample, optimizer, capacity,
+                                         loss_fn=F.cross_entropy, device="cpu",
+                                         allocator="exact").max_batch_size
+                    truth = bench_search.Truth(setup, capacity, "caching")
+                    largest = largest_trained(truth, plan.max_batch_size)
+                    planned = plan.max_batch_size
+                    error = 100 * (planned - largest) / largest
+                    errors.append(abs(error))
+                    print(f"| {name} | {format_bytes(capacity)} | {setting} | {largest} | "
+                          f"{planned} | {error:+.1f} | {yes(truth(planned))} | "
+                          f"{yes(not truth(planned + 1))} | {seconds:.2f} | {old} | "
+                          f"{100 * (old - largest) / largest:+.1f} |", flush=True)
+    worst = max(errors)
+    print(f"\nlargest error {worst:.1f} % (goal <= {100 * GOAL_SEGMENTS:g} %), median "
+          f"{statistics.median(errors):.1f} %\n")
+    return worst <= 100 * GOAL_SEGMENTS
+
+
+def largest_trained(truth: bench_search.Truth, start: int) -> int:
+    """The largest size that trains, galloping and bisecting from ``start``, then again from
+    1.25, 1.5 or 2 times it where one of those trains (under caching, fitting is not monotone:
+    a larger size can train above one that fails)."""
+    try:
+        largest = bench_search.largest_fitting(truth, start)
+    except RuntimeError:  # no clean boundary near it: the largest that trained
+        largest = max(n for n, fits in truth.known.items() if fits)
+    above = [round(largest * p) for p in bench_caching.PROBES]
+    return next((largest_trained(truth, n) for n in above if truth(n)), largest)
+
+
+def yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
 def targets_of(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
     return bench_search.QUICK_TARGETS if args.quick else bench_search.TARGETS
 
@@ -258,14 +323,18 @@ def targets_of(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small targets in table 3")
-    parser.add_argument("--only", choices=["1", "1b", "2", "3"], help="one table")
+    parser.add_argument("--only", choices=["1", "1b", "2", "3", "4"], help="one table")
+    parser.add_argument("--models", nargs="+", choices=sorted(bench_caching.MODELS),
+                        help="table 4's models (default: all of bench_caching's)")
     args = parser.parse_args(argv)
+    models = {m: c for m, c in bench_caching.MODELS.items() if m in (args.models or [m])}
+    if args.quick and args.models is None:
+        models = dict(bench_caching.QUICK_MODELS)
+    tables = {"1": accuracy, "1b": recurrent_and_hugging_face, "2": speed,
+              "3": lambda: seeded(targets_of(args)), "4": lambda: segments(models)}
     if args.only is not None:
-        table = {"1": accuracy, "1b": recurrent_and_hugging_face, "2": speed,
-                 "3": lambda: seeded(targets_of(args))}[args.only]
-        return 0 if table() else 1
-    targets = targets_of(args)
-    results = [accuracy(), recurrent_and_hugging_face(), speed(), seeded(targets)]
+        return 0 if tables[args.only]() else 1
+    results = [table() for table in tables.values()]
     print("all goals met" if all(results) else "GOALS MISSED: see the tables above")
     return 0 if all(results) else 1
 

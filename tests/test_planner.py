@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from _models import fresh_loop_fits
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
@@ -16,6 +17,7 @@ import autobatch._sizing._planner._plans
 from autobatch import AutobatchError, BatchSizeError, search_batch_size
 from autobatch._memory._accounting import round_allocation
 from autobatch._sizing._planner import Plan, plan_max_batch
+from autobatch._units import parse_bytes
 from autobatch.testing import SimulatedGPU
 from autobatch.testing.models import WORKLOADS, RecurrentClassifier, mlp
 
@@ -40,7 +42,7 @@ def test_planned_peak_is_the_simulated_peak(name: str) -> None:
     for n in (1, 7, 64):
         plan = plan_max_batch(
             model, sample, torch.optim.Adam, loss_fn=CE, capacity="4GiB", min_batch=n,
-            max_batch=n, device="cpu",
+            max_batch=n, device="cpu", allocator="exact",
         )
         real = _simulated(model, sample, "4GiB", optimizer=torch.optim.Adam, loss_fn=CE,
                           min_batch=n, max_batch=n)
@@ -57,7 +59,8 @@ def test_planned_max_is_the_exact_max_and_seeds_a_two_trial_search(name: str) ->
     model, sample = work.model(), work.sample(3)
     capacity = CAPACITY[name]
     plan = plan_max_batch(
-        model, sample, torch.optim.Adam, loss_fn=CE, capacity=capacity, device="cpu"
+        model, sample, torch.optim.Adam, loss_fn=CE, capacity=capacity, device="cpu",
+        allocator="exact",
     )
     exact = _simulated(model, sample, capacity, optimizer=torch.optim.Adam, loss_fn=CE)
     assert plan.max_batch_size == exact.max_batch_size
@@ -74,7 +77,8 @@ def test_planned_max_is_the_exact_max_and_seeds_a_two_trial_search(name: str) ->
 def test_inference_plan_is_the_simulated_max(name: str) -> None:
     work = WORKLOADS[name]
     model, sample = work.model(), work.sample(3)
-    plan = plan_max_batch(model, sample, capacity="16MiB", train=False, device="cpu")
+    plan = plan_max_batch(model, sample, capacity="16MiB", train=False, device="cpu",
+                          allocator="exact")
     exact = _simulated(model, sample, "16MiB", train=False)
     assert plan.max_batch_size == exact.max_batch_size
     assert any("inference" in note for note in plan.notes)
@@ -257,7 +261,7 @@ def test_step_that_cannot_run_on_meta_warns_naming_module_and_operator_then_meas
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.warns(UserWarning, match="CPU copy") as caught:
         plan = plan_max_batch(model, torch.randn(4, 8), torch.optim.SGD, capacity="1MiB",
-                              headroom=0, device="cpu")
+                              headroom=0, device="cpu", allocator="exact")
     (message,) = [str(w.message) for w in caught if "CPU copy" in str(w.message)]
     assert where in message
     assert f"operator {op} failed" in message
@@ -296,14 +300,14 @@ def test_nothing_fits_says_how_much_is_needed() -> None:
 
 def test_overhead_and_grid_options() -> None:
     model, sample = mlp(), WORKLOADS["mlp"].sample(2)
-    plain = plan_max_batch(model, sample, torch.optim.Adam, capacity="7MiB")
+    plain = plan_max_batch(model, sample, torch.optim.Adam, capacity="7MiB", allocator="exact")
     with_overhead = plan_max_batch(
-        model, sample, torch.optim.Adam, capacity="8MiB", overhead="1MiB"
+        model, sample, torch.optim.Adam, capacity="8MiB", overhead="1MiB", allocator="exact"
     )
     assert with_overhead.max_batch_size == plain.max_batch_size
     assert with_overhead.overhead_bytes == 2**20
     grid = plan_max_batch(model, sample, torch.optim.Adam, capacity="8MiB", multiple_of=64,
-                          max_batch=100_000)
+                          max_batch=100_000, allocator="exact")
     peaks = dict(grid.points)
     assert grid.max_batch_size % 64 == 0
     assert grid.batch_size % 64 == 0
@@ -398,7 +402,7 @@ def test_hugging_face_models_with_an_attention_mask_are_planned_within_two_perce
     sample = _hf_sample(kind)
     with pytest.warns(UserWarning, match=r"Tensor.item\(\).*small real steps on a CPU copy"):
         plan = plan_max_batch(model, sample, torch.optim.AdamW, "32MiB", device="cpu",
-                              headroom=0)
+                              headroom=0, allocator="exact")
     assert plan.method == "steps"
     assert any("real steps on a CPU copy" in note for note in plan.notes)
     found = _simulated(model, sample, "32MiB", optimizer=torch.optim.AdamW)
@@ -415,7 +419,7 @@ def test_gpt2_without_a_mask_is_planned_on_meta_within_two_percent() -> None:
     model = gpt2()
     ids = torch.randint(0, 1000, (2, 32))
     plan = plan_max_batch(model, {"input_ids": ids, "labels": ids}, torch.optim.AdamW, "32MiB",
-                          device="cpu", headroom=0)
+                          device="cpu", headroom=0, allocator="exact")
     assert plan.method == "meta"
     found = _simulated(model, {"input_ids": ids, "labels": ids}, "32MiB",
                        optimizer=torch.optim.AdamW)
@@ -435,7 +439,7 @@ def test_recurrent_layers_are_planned_within_two_percent_and_never_above(
     model = RecurrentClassifier(kind, layers, batch_first, inputs=8, hidden=32, classes=4)
     sample = (torch.randn(2, 8, 8), torch.randint(0, 4, (2,)))
     plan = plan_max_batch(model, sample, torch.optim.AdamW, "2MiB", loss_fn=CE,
-                          device="cpu", headroom=0)
+                          device="cpu", headroom=0, allocator="exact")
     assert plan.method == "steps"
     assert any(f"recurrent layers ({kind})" in note for note in plan.notes)
     found = _simulated(model, sample, "2MiB", optimizer=torch.optim.AdamW, loss_fn=CE)
@@ -544,7 +548,7 @@ def test_attention_is_planned_with_the_kernel_the_cpu_runs(case: str) -> None:
     sample = (torch.randn(2, 48, 32, dtype=dtype), torch.randint(0, 5, (2,)))
     n = 40
     plan = plan_max_batch(model, sample, torch.optim.AdamW, "1GiB", loss_fn=CE,
-                          min_batch=n, max_batch=n, device="cpu")
+                          min_batch=n, max_batch=n, device="cpu", allocator="exact")
     assert plan.method == "meta"
     assert not any("math path" in note for note in plan.notes)
     real = _simulated(model, sample, "1GiB", optimizer=torch.optim.AdamW, loss_fn=CE,
@@ -562,7 +566,7 @@ def test_attention_the_planner_cannot_replay_falls_back_to_real_steps(
     model, sample = _Attention(), (torch.randn(2, 48, 32), torch.randint(0, 5, (2,)))
     with pytest.warns(UserWarning, match="fused attention with operators the planner does not"):
         plan = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE,
-                              device="cpu", headroom=0)
+                              device="cpu", headroom=0, allocator="exact")
     assert plan.method == "steps"
     found = _simulated(model, sample, "16MiB", optimizer=torch.optim.AdamW, loss_fn=CE)
     _within_two_percent(plan.max_batch_size, found.max_batch_size)
@@ -570,10 +574,11 @@ def test_attention_the_planner_cannot_replay_falls_back_to_real_steps(
 
 def test_attention_planned_for_a_gpu_keeps_the_math_path_and_says_so() -> None:
     model, sample = _Attention(), (torch.randn(2, 48, 32), torch.randint(0, 5, (2,)))
-    plan = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE)
+    plan = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE,
+                          allocator="exact")
     assert any("math path" in note and "upper bound" in note for note in plan.notes)
     on_cpu = plan_max_batch(model, sample, torch.optim.AdamW, "16MiB", loss_fn=CE,
-                            device="cpu")
+                            device="cpu", allocator="exact")
     assert plan.max_batch_size < on_cpu.max_batch_size  # the weights a fused kernel never holds
 
 
@@ -592,10 +597,80 @@ def test_vit_and_llama_without_a_mask_are_planned_on_meta_exactly(kind: str) -> 
         ids = torch.randint(0, 1000, (2, 64))
         sample = {"input_ids": ids, "labels": ids}
     plan = plan_max_batch(model, sample, torch.optim.AdamW, "64MiB", device="cpu",
-                          headroom=0)
+                          headroom=0, allocator="exact")
     assert plan.method == "meta"
     found = _simulated(model, sample, "64MiB", optimizer=torch.optim.AdamW)
     assert plan.max_batch_size == found.max_batch_size
     n = found.max_batch_size
     measured = next(t.peak_bytes for t in found.trials if t.size == n and t.fits)
     assert dict(plan.points)[n] == measured
+
+
+# Capacities where the caching allocator's segments decide the largest batch (the exact
+# accounting's answer is far above it there).
+SEGMENT_CAPACITY = {"mlp": "4MiB", "conv": "32MiB", "transformer": "24MiB"}
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
+@pytest.mark.parametrize("name", sorted(SEGMENT_CAPACITY))
+def test_a_plan_on_segments_is_the_largest_size_a_fresh_loop_trains(
+    name: str, expandable: bool
+) -> None:
+    """The default plan places every planned storage as CUDA's caching allocator does, over a
+    user's fresh loop: its largest size trains in that loop on the simulator and the next one
+    does not, its recommended size trains, and its breakdown adds the segments' unused bytes.
+    The plan on exact accounting, which counts tensors only, is above and does not train."""
+    work = WORKLOADS[name]
+    torch.manual_seed(0)
+    model, capacity = work.model(), SEGMENT_CAPACITY[name]
+
+    def trains(n: int) -> bool:
+        return fresh_loop_fits(model, work.sample, n, capacity, expandable_segments=expandable)
+
+    plan = plan_max_batch(model, work.sample(4), torch.optim.AdamW, capacity, loss_fn=CE,
+                          device="cpu", expandable_segments=expandable)
+    assert trains(plan.max_batch_size)
+    assert not trains(plan.max_batch_size + 1)
+    assert trains(plan.batch_size)
+    assert plan.breakdown.peak == dict(plan.points)[plan.max_batch_size] <= parse_bytes(capacity)
+    assert plan.breakdown.cached > 0
+    setting = "with" if expandable else "without"
+    assert any(f"caching allocator ({setting} expandable segments)" in n for n in plan.notes)
+    exact = plan_max_batch(model, work.sample(4), torch.optim.AdamW, capacity, loss_fn=CE,
+                           device="cpu", allocator="exact")
+    assert exact.max_batch_size > plan.max_batch_size
+    assert not trains(exact.max_batch_size)
+
+
+def test_a_plan_from_real_steps_places_them_on_segments_too() -> None:
+    """A recurrent model (planned from real CPU steps) under the caching allocator: the steps
+    are placed on its segments as on meta, and the answer is the fresh loop's."""
+    torch.manual_seed(0)
+    model = RecurrentClassifier("LSTM", 1, True, inputs=8, hidden=32, classes=4)
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 8, 8), torch.randint(0, 4, (n,))
+
+    plan = plan_max_batch(model, sample(2), torch.optim.AdamW, "4MiB", loss_fn=CE,
+                          device="cpu", headroom=0)
+    assert plan.method == "steps"
+    assert fresh_loop_fits(model, sample, plan.max_batch_size, "4MiB")
+    assert not fresh_loop_fits(model, sample, plan.max_batch_size + 1, "4MiB")
+
+
+def test_allocator_options_are_checked() -> None:
+    model, sample = mlp(), WORKLOADS["mlp"].sample(2)
+    with pytest.raises(ValueError, match="allocator must be"):
+        plan_max_batch(model, sample, capacity="1GiB", allocator="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_bytes=1 applies to allocator='exact' only"):
+        plan_max_batch(model, sample, capacity="1GiB", block_bytes=1)
+    with pytest.raises(ValueError, match="expandable_segments applies to allocator='caching'"):
+        plan_max_batch(model, sample, capacity="1GiB", allocator="exact", expandable_segments=True)
+
+
+def test_nothing_fits_on_segments_says_so() -> None:
+    """A device smaller than the caching allocator's smallest segment holds nothing: the
+    refusal says so, with the bytes the tensors need."""
+    with pytest.raises(BatchSizeError, match="reserves them in segments, 2 MiB at least"):
+        plan_max_batch(mlp(), WORKLOADS["mlp"].sample(1), torch.optim.Adam, capacity="1MiB",
+                       device="cpu")

@@ -14,10 +14,12 @@ import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from autobatch._memory._blocks import AllocatorOutOfMemory, Block
 
 #: The CUDA caching allocator hands out blocks in multiples of 512 bytes (``kMinBlockSize`` in
 #: c10/cuda/CUDACachingAllocator.cpp); ``memory_allocated`` reports the rounded sizes.
@@ -87,6 +89,89 @@ class StorageCount:
     def reset_peak(self) -> None:
         """Make the current live bytes the peak."""
         self.peak_bytes = self.allocated_bytes
+
+
+class BlockAllocator(Protocol):
+    """What :class:`AllocatorCount` needs of an allocator: the caching allocator's model."""
+
+    def malloc(self, nbytes: int) -> Block: ...
+
+    def free(self, block: Block) -> None: ...
+
+    def reset_peak(self) -> None: ...
+
+
+class AllocatorCount(StorageCount):
+    """A count whose storages are blocks of the caching-allocator model.
+
+    A new storage is one ``malloc`` of its size; its death frees the block. It is charged its
+    block's size. A storage that changed size in place is given a new block before the old one
+    is freed (``resize_`` on CUDA allocates, copies, then frees). When the model refuses,
+    ``add`` raises the simulator's ``torch.OutOfMemoryError`` and the storage is not counted.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        refuse: Callable[[AllocatorOutOfMemory], torch.OutOfMemoryError],
+    ) -> None:
+        super().__init__(CUDA_BLOCK_BYTES)
+        self.allocator = allocator
+        self._refuse = refuse
+        self._blocks: dict[int, Block] = {}
+
+    def add(self, storage: torch.UntypedStorage) -> int:
+        key = _storage_key(storage)
+        nbytes = storage.nbytes()
+        previous = self._blocks.get(key)
+        old: int | None = None
+        if previous is not None:
+            if previous.requested == nbytes:
+                return 0  # counted already (a view, an in-place operator)
+            old = previous.size
+        elif key in self._live:  # an empty storage, counted already
+            if not nbytes:
+                return 0
+            old = 0
+        block = None
+        if nbytes:  # torch asks no allocator for an empty storage
+            refused = None
+            try:
+                block = self.allocator.malloc(nbytes)
+            except AllocatorOutOfMemory as error:
+                refused = error
+            if refused is not None:  # raised outside the except block: no context chain
+                oom = self._refuse(refused)
+                del refused  # its traceback holds this frame, and this frame the operator's
+                try:  # outputs (through the caller's): no local may keep that cycle alive
+                    raise oom
+                finally:
+                    del oom
+        size = 0 if block is None else block.size
+        if old is None:
+            weakref.finalize(storage, self._release, key)
+            old = 0
+        elif previous is not None:  # resized in place: both blocks existed for a moment
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes + size)
+            del self._blocks[key]
+            self.allocator.free(previous)
+        if block is not None:
+            self._blocks[key] = block
+        self._live[key] = size
+        self.allocated_bytes += size - old
+        if self.allocated_bytes > self.peak_bytes:
+            self.peak_bytes = self.allocated_bytes
+        return size - old
+
+    def _release(self, key: int) -> None:
+        block = self._blocks.pop(key, None)
+        if block is not None:
+            self.allocator.free(block)
+        super()._release(key)
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.allocator.reset_peak()
 
 
 def storages(objects: Iterable[Any]) -> Iterator[torch.UntypedStorage]:

@@ -39,7 +39,11 @@ from autobatch._memory._blocks import (
     allocation_size,
     round_size,
 )
-from autobatch._memory._snapshot import SegmentRecord, read_snapshot, write_snapshot
+from autobatch._memory._snapshot import (
+    SegmentRecord,
+    read_snapshot,
+    write_snapshot,
+)
 
 #: The fields of each of CUDA's ``Stat`` counters, as ``torch.cuda.memory_stats()`` reports them.
 _FIELDS = ("current", "peak", "allocated", "freed")

@@ -24,11 +24,48 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch._log import get_logger
 from autobatch._memory._allocator import CachingAllocator
-from autobatch._memory._snapshot import NotModelled, modelled_settings
+from autobatch._memory._blocks import LARGE_BUFFER
+from autobatch._memory._snapshot import (
+    NotModelled,
+    allocator_config,
+    modelled_settings,
+    split_size_bytes,
+)
 
 logger = get_logger("backends")
 
 DeviceLike = torch.device | str | int | None
+
+
+def caching_allocator(
+    capacity: int,
+    used_elsewhere: int = 0,
+    *,
+    expandable_segments: bool | None = None,
+    max_split_size_mb: int | None = None,
+) -> CachingAllocator:
+    """An empty model of CUDA's caching allocator for a device of ``capacity`` bytes,
+    ``used_elsewhere`` of them taken by others, with the settings of
+    ``PYTORCH_CUDA_ALLOC_CONF`` in this process unless given here: what the simulated GPU
+    runs on, and what the planner places a step's storages on.
+
+    >>> a = caching_allocator(1 << 30, 1 << 20, expandable_segments=True)
+    >>> a.limit, a.expandable_segments
+    (1072693248, True)
+    """
+    config = allocator_config(os.environ)
+    if expandable_segments is None:
+        expandable_segments = bool(config.get("expandable_segments", False))
+    if max_split_size_mb is not None:
+        config["max_split_size"] = split_size_bytes(max_split_size_mb, "max_split_size_mb")
+    return CachingAllocator(
+        capacity - used_elsewhere,
+        expandable_segments=expandable_segments,
+        max_split_size=config.get("max_split_size"),
+        max_non_split_rounding=config.get("max_non_split_rounding", LARGE_BUFFER),
+        # an expandable segment spans 9/8 of the device's memory (ExpandableSegment)
+        address_space=capacity + capacity // 8,
+    )
 
 
 class AllocationModel(Protocol):

@@ -12,6 +12,7 @@ parses them.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -286,3 +287,33 @@ def _split_items(text: str) -> list[str]:
             start = i + 1
     items.append(text[start:])
     return [item for item in items if item.strip()]
+
+
+def allocator_config(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The caching allocator's options set in ``PYTORCH_CUDA_ALLOC_CONF`` (else
+    ``PYTORCH_ALLOC_CONF``), as torch reads them (the simulated GPU and the planner alike).
+
+    >>> allocator_config({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64"})
+    {'expandable_segments': True, 'max_split_size': 67108864}
+
+    Args:
+        environ: The environment (``os.environ``).
+
+    Recognised: ``expandable_segments:True|False``, ``max_split_size_mb:N`` and
+    ``max_non_split_rounding_mb:N`` (N >= 20, as ``c10/core/AllocatorConfig.cpp`` requires; see
+    :func:`~autobatch._memory._snapshot.parse_settings`). Options that change allocation but are not
+    modelled warn; the rest are ignored.
+    """
+    name = "PYTORCH_CUDA_ALLOC_CONF"
+    text = environ.get(name)
+    if text is None:
+        name, text = "PYTORCH_ALLOC_CONF", environ.get("PYTORCH_ALLOC_CONF")
+    options, others = parse_settings(text or "", name)
+    for key, value in others:
+        if changes_placement(key, value):
+            warnings.warn(
+                f"{name} sets {key}:{value}, which the caching allocator's model does not "
+                "model; it is ignored",
+                stacklevel=4,
+            )
+    return options

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import copy
-import os
 import threading
-import warnings
-import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -16,15 +13,14 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from autobatch._memory import _backends
 from autobatch._memory._accounting import (
     CUDA_BLOCK_BYTES,
+    AllocatorCount,
     CountingMode,
     StorageCount,
-    _storage_key,
     storages,
 )
 from autobatch._memory._allocator import CachingAllocator
 from autobatch._memory._backends import BackwardLeftovers, in_backward
-from autobatch._memory._blocks import LARGE_BUFFER, AllocatorOutOfMemory, Block
-from autobatch._memory._snapshot import changes_placement, parse_settings, split_size_bytes
+from autobatch._memory._blocks import AllocatorOutOfMemory
 from autobatch._units import format_bytes, parse_bytes
 
 _active_lock = threading.Lock()
@@ -124,20 +120,11 @@ class SimulatedGPU:
                     f"block_bytes={block_bytes!r} applies to allocator='exact' only; the caching "
                     "model rounds as CUDA's allocator does (512 bytes)"
                 )
-            config = allocator_config(os.environ)
-            if expandable_segments is None:
-                expandable_segments = bool(config.get("expandable_segments", False))
-            if max_split_size_mb is not None:
-                config["max_split_size"] = split_size_bytes(max_split_size_mb, "max_split_size_mb")
-            self._allocator = CachingAllocator(
-                self.capacity_bytes - self.used_elsewhere,
-                expandable_segments=expandable_segments,
-                max_split_size=config.get("max_split_size"),
-                max_non_split_rounding=config.get("max_non_split_rounding", LARGE_BUFFER),
-                # an expandable segment spans 9/8 of the device's memory (ExpandableSegment)
-                address_space=self.capacity_bytes + self.capacity_bytes // 8,
+            self._allocator = _backends.caching_allocator(
+                self.capacity_bytes, self.used_elsewhere,
+                expandable_segments=expandable_segments, max_split_size_mb=max_split_size_mb,
             )
-            self.counted: StorageCount = _AllocatorCount(self._allocator, self._refused)
+            self.counted: StorageCount = AllocatorCount(self._allocator, self._refused)
             self._mode = _DeviceMode(self.counted)
         elif allocator == "exact":
             if expandable_segments is not None or max_split_size_mb is not None:
@@ -473,79 +460,6 @@ class _DeviceMode(CountingMode):
         return super().dispatch(func, args, kwargs)
 
 
-class _AllocatorCount(StorageCount):
-    """A count whose storages are blocks of the caching-allocator model.
-
-    A new storage is one ``malloc`` of its size; its death frees the block. It is charged its
-    block's size. A storage that changed size in place is given a new block before the old one
-    is freed (``resize_`` on CUDA allocates, copies, then frees). When the model refuses,
-    ``add`` raises the simulator's ``torch.OutOfMemoryError`` and the storage is not counted.
-    """
-
-    def __init__(
-        self,
-        allocator: CachingAllocator,
-        refuse: Callable[[AllocatorOutOfMemory], torch.OutOfMemoryError],
-    ) -> None:
-        super().__init__(CUDA_BLOCK_BYTES)
-        self.allocator = allocator
-        self._refuse = refuse
-        self._blocks: dict[int, Block] = {}
-
-    def add(self, storage: torch.UntypedStorage) -> int:
-        key = _storage_key(storage)
-        nbytes = storage.nbytes()
-        previous = self._blocks.get(key)
-        old: int | None = None
-        if previous is not None:
-            if previous.requested == nbytes:
-                return 0  # counted already (a view, an in-place operator)
-            old = previous.size
-        elif key in self._live:  # an empty storage, counted already
-            if not nbytes:
-                return 0
-            old = 0
-        block = None
-        if nbytes:  # torch asks no allocator for an empty storage
-            refused = None
-            try:
-                block = self.allocator.malloc(nbytes)
-            except AllocatorOutOfMemory as error:
-                refused = error
-            if refused is not None:  # raised outside the except block: no context chain
-                oom = self._refuse(refused)
-                del refused  # its traceback holds this frame, and this frame the operator's
-                try:  # outputs (through the caller's): no local may keep that cycle alive
-                    raise oom
-                finally:
-                    del oom
-        size = 0 if block is None else block.size
-        if old is None:
-            weakref.finalize(storage, self._release, key)
-            old = 0
-        elif previous is not None:  # resized in place: both blocks existed for a moment
-            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes + size)
-            del self._blocks[key]
-            self.allocator.free(previous)
-        if block is not None:
-            self._blocks[key] = block
-        self._live[key] = size
-        self.allocated_bytes += size - old
-        if self.allocated_bytes > self.peak_bytes:
-            self.peak_bytes = self.allocated_bytes
-        return size - old
-
-    def _release(self, key: int) -> None:
-        block = self._blocks.pop(key, None)
-        if block is not None:
-            self.allocator.free(block)
-        super()._release(key)
-
-    def reset_peak(self) -> None:
-        super().reset_peak()
-        self.allocator.reset_peak()
-
-
 #: ``torch.cuda``'s memory calls, as the simulator answers them (for its device, any index)
 _CUDA_CALLS: dict[str, Callable[[SimulatedGPU], Callable[..., Any]]] = {
     "empty_cache": lambda gpu: lambda: gpu.empty_cache(),
@@ -574,36 +488,6 @@ def _answer_cuda_calls(gpu: SimulatedGPU) -> list[tuple[Any, str, Any]]:
 def _restore_cuda_calls(own: list[tuple[Any, str, Any]]) -> None:
     for module, name, function in own:
         setattr(module, name, function)
-
-
-def allocator_config(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The caching allocator's options set in ``PYTORCH_CUDA_ALLOC_CONF`` (else
-    ``PYTORCH_ALLOC_CONF``), as the simulated GPU reads them.
-
-    >>> allocator_config({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:64"})
-    {'expandable_segments': True, 'max_split_size': 67108864}
-
-    Args:
-        environ: The environment (``os.environ``).
-
-    Recognised: ``expandable_segments:True|False``, ``max_split_size_mb:N`` and
-    ``max_non_split_rounding_mb:N`` (N >= 20, as ``c10/core/AllocatorConfig.cpp`` requires; see
-    :func:`~autobatch._memory._snapshot.parse_settings`). Options that change allocation but are not
-    modelled warn; the rest are ignored.
-    """
-    name = "PYTORCH_CUDA_ALLOC_CONF"
-    text = environ.get(name)
-    if text is None:
-        name, text = "PYTORCH_ALLOC_CONF", environ.get("PYTORCH_ALLOC_CONF")
-    options, others = parse_settings(text or "", name)
-    for key, value in others:
-        if changes_placement(key, value):
-            warnings.warn(
-                f"{name} sets {key}:{value}, which the simulated caching allocator does not "
-                "model; it is ignored",
-                stacklevel=3,
-            )
-    return options
 
 
 class SimulatedMemory(_backends.DeviceMemory):

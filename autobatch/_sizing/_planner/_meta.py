@@ -18,14 +18,18 @@ from torch.utils._pytree import tree_flatten
 from autobatch import _batch
 from autobatch._errors import AutobatchError
 from autobatch._memory._accounting import (
+    AllocatorCount,
     CountingMode,
     StorageCount,
     _storage_key,
     storages,
 )
+from autobatch._memory._allocator import CachingAllocator
+from autobatch._memory._blocks import AllocatorOutOfMemory
 from autobatch._search import Trial
 from autobatch._sizing._planner._attention import FusedAttention
 from autobatch._sizing._planner._plans import PlanBreakdown
+from autobatch._sizing._trial import CACHING_STEPS, MAX_STEADY_STEPS
 from autobatch._sizing._workload import (
     Batch,
     LossFn,
@@ -102,6 +106,40 @@ class _PlanCount(StorageCount):
         return serial is not None and self.at_peak.get(key) == serial
 
 
+class _PlanBlocks(AllocatorCount):
+    """The planned device's storages (as :class:`_PlanCount` tells them) as blocks of a model of
+    its caching allocator."""
+
+    def __init__(self, allocator: CachingAllocator, device_types: frozenset[str]) -> None:
+        super().__init__(allocator, _refused)
+        self.device_types = device_types
+        #: Every storage's birth and death in order, as a trial records them
+        #: (``(0, serial, bytes)``, ``-1`` bytes: died): to replay the loop at other sizes.
+        self.events: list[tuple[int, int, int]] = []
+        self._serials: dict[int, int] = {}
+
+    def add(self, storage: torch.UntypedStorage) -> int:
+        if storage.device.type not in self.device_types:
+            return 0
+        key, nbytes = _storage_key(storage), storage.nbytes()
+        serial = self._serials.get(key)
+        known = key in self._live
+        added = super().add(storage)
+        if not known or (serial is not None and self.events[serial][2] != nbytes):
+            if nbytes:
+                self._serials[key] = len(self.events)
+                self.events.append((0, len(self.events), nbytes))
+            if serial is not None:  # resized in place: a new block, then the old one freed
+                self.events.append((0, serial, -1))
+        return added
+
+    def _release(self, key: int) -> None:
+        serial = self._serials.pop(key, None)
+        if serial is not None:
+            self.events.append((0, serial, -1))
+        super()._release(key)
+
+
 class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
     """The plan's counting mode: it also remembers the operator running (and the backward node),
     and refuses operators on real data, so the step can never read or change a real tensor."""
@@ -160,6 +198,10 @@ class _PlanMode(CountingMode):  # type: ignore[no-untyped-call]  # torch's mode 
 
 class _StepError(AutobatchError):
     """The planned step cannot run on the planner's copies."""
+
+
+def _refused(error: AllocatorOutOfMemory) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(f"the planned device runs out of memory: {error}")
 
 
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -338,12 +380,17 @@ class _MetaSetup:
             _storage_key(copied.untyped_storage()) for copied in memo.values()
             if isinstance(copied, torch.Tensor) and copied.layout is torch.strided
         }
+        self._prime()
+
+    def _prime(self) -> None:
+        """The steady state of the exact accounting: the copies counted, the optimizer's state
+        created and resident."""
         with self._running("while creating the optimizer state"):
             held = [self.model] if self.optimizer is None else [self.model, self.optimizer]
             for storage in storages(held):
                 self.counted.add(storage)
             if self.optimizer is not None:
-                prime_optimizer(self.optimizer)  # the steady state: optimizer state resident
+                prime_optimizer(self.optimizer)
 
     def _enter(self, label: str, module: nn.Module, args: Any) -> None:
         self.modules.append(label)
@@ -368,6 +415,8 @@ class _MetaSetup:
         try:
             with self.mode, self.attention:
                 yield
+        except torch.OutOfMemoryError:
+            raise  # (the caching allocator's model refused: the size does not fit)
         except Exception as error:
             if self.mode.foreign:  # not the planner's limit: the step would touch real data
                 raise AutobatchError(self._explain(error, doing)) from error
@@ -460,6 +509,53 @@ class _MetaSetup:
         finally:
             del batch
             self._drop_gradients()
+
+    def fresh_loop(
+        self, n: int, allocator: CachingAllocator
+    ) -> tuple[Trial, list[tuple[int, int, int]]]:
+        """A user's own loop at ``n`` on ``allocator`` (empty, with the target's settings),
+        whose blocks stand for the storages: the copies placed first (``model.to(device)``,
+        a fresh optimizer), then :data:`CACHING_STEPS` steps, and up to
+        :data:`MAX_STEADY_STEPS` more while each still reserves more, as a trial of the
+        finder runs. Each step's batch is copied in while the last one and its loss are still
+        held; the optimizer's state is made in the first step. The trial fits when the
+        allocator refused nothing. Returns it with its storages' events (see
+        :class:`_PlanBlocks`)."""
+        count = _PlanBlocks(allocator, self.counted.device_types)
+        self.mode.counted = count
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        held: Batch | None = None
+        try:
+            with self._running(f"at batch size {n}"):
+                for storage in storages([self.model, self.optimizer]):
+                    count.add(storage)
+            reserved = 0
+            for index in range(CACHING_STEPS + MAX_STEADY_STEPS):
+                batch = self._batch(n)
+                with self._running(f"at batch size {n}"):
+                    for tensor in _batch.tensors(batch):
+                        count.add(tensor.untyped_storage())
+                    held = batch
+                    del batch
+                    self.step(held)
+                grew = allocator.peak_reserved_bytes > reserved
+                reserved = allocator.peak_reserved_bytes
+                if index + 1 >= CACHING_STEPS and not grew:
+                    break
+            return Trial(
+                n, True, allocator.peak_allocated_bytes, reserved_bytes=allocator.peak_reserved_bytes
+            ), count.events
+        except torch.OutOfMemoryError:
+            return Trial(n, False, None), count.events
+        finally:
+            self.step.forget()
+            del held
+            self._drop_gradients()
+            self.mode.counted = self.counted
+            if self.optimizer is not None:
+                self.optimizer.state.clear()
+                self._prime()
 
     def breakdown(self, n: int) -> PlanBreakdown:
         """One step at batch size ``n``, its peak split by what holds the bytes."""

@@ -7,7 +7,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -16,7 +16,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 from autobatch._errors import AutobatchError, BatchSizeError
 from autobatch._log import get_logger, user_stacklevel
 from autobatch._memory._accounting import CUDA_BLOCK_BYTES
-from autobatch._memory._backends import CpuMemory, restore_rng_states, save_rng_states
+from autobatch._memory._allocator import CachingAllocator
+from autobatch._memory._backends import (
+    CpuMemory,
+    caching_allocator,
+    restore_rng_states,
+    save_rng_states,
+)
+from autobatch._memory._measure import StorageTrial, _replayed_curve
 from autobatch._search import (
     UNBOUNDED_MAX_SIZE,
     LinearModel,
@@ -44,6 +51,13 @@ from autobatch._validate import check_module
 logger = get_logger("planner")
 
 
+#: What a refusal under the caching allocator adds to the bytes it names.
+_SEGMENTS = (
+    "; the caching allocator reserves them in segments, 2 MiB at least for small tensors and "
+    "20 MiB for large ones, and those did not fit"
+)
+
+
 def _byte_option(value: int | float | str, name: str) -> int:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
         return 0
@@ -63,6 +77,15 @@ class _Request:
     capacity_bytes: int
     overhead_bytes: int
     started: float
+    expandable_segments: bool | None  # the caching allocator's (None: as set in this process)
+    caching: bool = True  # placed as CUDA's caching allocator places blocks
+
+    def allocator(self) -> CachingAllocator:
+        """An empty model of the target's caching allocator."""
+        return caching_allocator(
+            self.capacity_bytes, self.overhead_bytes,
+            expandable_segments=self.expandable_segments,
+        )
 
 
 def plan_max_batch(
@@ -81,14 +104,22 @@ def plan_max_batch(
     overhead: int | float | str = 0,
     block_bytes: int = CUDA_BLOCK_BYTES,
     device: str | torch.device = "cuda",
+    allocator: Literal["caching", "exact"] = "caching",
+    expandable_segments: bool | None = None,
 ) -> Plan:
     """Predict the largest batch that fits a device of ``capacity`` bytes, without that device.
 
     Runs the training step of :func:`~autobatch.find_max_batch` (same ``sample``, ``loss_fn``,
-    ``step_fn`` and ``train`` conventions, optimizer state resident) on a ``meta`` copy of the
-    model and optimizer, counting allocated bytes exactly as
-    :class:`~autobatch.testing.SimulatedGPU` does with ``allocator="exact"``: no real compute, no real memory, and the model is not touched. The step is planned at
-    the sizes the search engine asks for, so ``max_batch_size`` is exact for this accounting.
+    ``step_fn`` and ``train`` conventions) on a ``meta`` copy of the model and optimizer: no
+    real compute, no real memory, and the model is not touched. Every storage the step creates
+    is placed by a model of CUDA's caching allocator (``allocator="caching"``, the default):
+    the copies first, then a user's own loop from a fresh optimizer, five steps or more while
+    the reserved memory grows, each batch copied in while the last one is still held, exactly
+    as :class:`~autobatch.testing.SimulatedGPU` places them. A size fits when no request finds
+    its segment; the storages' events, each a line in the batch size, are replayed through the
+    allocator's model at the sizes in between, so that a size that fits above one that fails
+    is found too. ``allocator="exact"`` counts allocated bytes only (each storage rounded up to
+    ``block_bytes``), as the simulator's ``allocator="exact"`` does.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(),
@@ -104,12 +135,10 @@ def plan_max_batch(
     fused flash kernel, or the math path), as on :class:`~autobatch.testing.SimulatedGPU`; for
     a GPU it is planned with the math path, and the GPU's fused kernels (flash,
     memory-efficient, cuDNN) need less: with attention the plan is an upper bound there.
-    cuDNN/cuBLAS may take workspaces, which belong in ``overhead``. The caching allocator's
-    segments are not modelled: on a GPU (and on the simulator's default, caching, model) the
-    largest batch can be lower, most on small devices where a 20 MiB segment is a large part
-    of the memory; a search seeded by a plan (``find_max_batch(plan=True)``) measures it, in
-    a few more trials there. A ``step_fn`` or ``loss_fn`` must only use the model it is
-    given (and module losses, which are copied); a GradScaler is not planned.
+    cuBLAS/cuDNN workspaces and the CUDA context are not storages: they belong in
+    ``overhead`` (no allowance per device is built in: none has been measured yet). A
+    ``step_fn`` or ``loss_fn`` must only use the model it is given (and module losses, which
+    are copied); a GradScaler is not planned.
 
     Args:
         model: The module to plan for, on any device (``meta`` too); it is copied to ``meta``
@@ -125,12 +154,17 @@ def plan_max_batch(
         overhead: Bytes the device holds besides the step's tensors (CUDA context, often 300-600 MiB
             and not in ``torch.cuda.memory_allocated``; cuBLAS/cuDNN workspaces; other processes):
             the peak may use ``capacity - overhead``.
-        block_bytes: The allocator's rounding: 512 as the CUDA caching allocator, 1 for raw bytes.
+        block_bytes: The rounding of ``allocator="exact"``: 512 as the CUDA caching allocator,
+            1 for raw bytes.
         device: The device planned for (``"cuda"``, ``"cuda:1"``, a ``torch.device``; only its
             type counts: no such device is needed). Tensors the step keeps on the host (Adam's
             ``step`` counters) count only when it is ``"cpu"``, and optimizers left to choose run
             the implementation torch picks there (``foreach`` on ``"cuda"``); ``"cpu"`` plans what
-            :class:`~autobatch.testing.SimulatedGPU` measures with ``allocator="exact"``.
+            :class:`~autobatch.testing.SimulatedGPU` measures.
+        allocator: ``"caching"`` (CUDA's caching allocator: segments, block pools, its
+            settings) or ``"exact"`` (allocated bytes only).
+        expandable_segments: The caching allocator's setting; ``None`` reads it from
+            ``PYTORCH_CUDA_ALLOC_CONF`` in this process, as torch would on the device.
 
     Raises:
         BatchSizeError: Even ``min_batch`` does not fit (with the planned bytes and the capacity).
@@ -154,6 +188,15 @@ def plan_max_batch(
     capacity_bytes = parse_bytes(capacity)
     overhead_bytes = _byte_option(overhead, "overhead")
     budget = capacity_bytes - overhead_bytes
+    if allocator not in ("caching", "exact"):
+        raise ValueError(f"allocator must be 'caching' or 'exact', got {allocator!r}")
+    if allocator == "caching" and block_bytes != CUDA_BLOCK_BYTES:
+        raise ValueError(
+            f"block_bytes={block_bytes!r} applies to allocator='exact' only; the caching "
+            "allocator rounds as CUDA's does (512 bytes)"
+        )
+    if allocator == "exact" and expandable_segments is not None:
+        raise ValueError("expandable_segments applies to allocator='caching' only")
     if budget <= 0:
         raise ValueError(
             f"overhead={overhead!r} ({format_bytes(overhead_bytes)}) leaves nothing of "
@@ -161,7 +204,8 @@ def plan_max_batch(
         )
     request = _Request(
         model, sample, optimizer, spec, device_type, block_bytes, capacity_bytes, overhead_bytes,
-        started=time.perf_counter(),
+        started=time.perf_counter(), expandable_segments=expandable_segments,
+        caching=allocator == "caching",
     )
     recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
     if recurrent:  # their kernels on the CPU or GPU keep workspaces a meta run does not see
@@ -197,15 +241,31 @@ def _plan_on_meta(r: _Request) -> Plan:
             device_type=r.device_type,
             block_bytes=r.block_bytes,
         )
-        peaks: dict[int, int] = {}
+        peaks: dict[int, int] = {}  # planned peaks (under caching: of the sizes that fit)
+        placed: list[StorageTrial] = []  # the fitting loops' storages, for the replay
 
         def probe(n: int) -> Trial:
-            peaks[n] = peak = setup.peak(n)
+            if r.caching:
+                trial, events = setup.fresh_loop(n, r.allocator())
+                if trial.fits and trial.reserved_bytes is not None and trial.peak_bytes:
+                    peaks[n] = trial.reserved_bytes
+                    record = StorageTrial(n, 0, events, trial.peak_bytes)
+                    curve = next(
+                        (c for other in reversed(placed)
+                         if (c := _replayed_curve(other, record, r.allocator())) is not None),
+                        None,
+                    )
+                    placed.append(record)
+                    if curve is not None:
+                        trial = dataclasses.replace(trial, curve=curve)
+            else:
+                peaks[n] = peak = setup.peak(n)
+                trial = Trial(n, peak <= budget, peak)
             logger.info(
-                "planned batch %d: peak %s, %s", n, format_bytes(peak),
-                "fits" if peak <= budget else "does not fit",
+                "planned batch %d: %s", n,
+                f"fits, peak {format_bytes(peaks[n])}" if trial.fits else "does not fit",
             )
-            return Trial(n, peak <= budget, peak)
+            return trial
 
         outcome = search(
             probe,
@@ -217,22 +277,27 @@ def _plan_on_meta(r: _Request) -> Plan:
         first = -(-r.spec.min_batch // r.spec.multiple_of) * r.spec.multiple_of
         largest = outcome.largest_fit
         if largest is None:
+            needed = setup.peak(first) + r.overhead_bytes
             raise BatchSizeError(
                 f"even the smallest batch ({r.spec.min_batch}) does not fit: the plan needs "
-                f"{format_bytes(peaks[first] + r.overhead_bytes)} at batch {first} "
-                f"(overhead {format_bytes(r.overhead_bytes)} included) of "
+                f"{format_bytes(needed)} at batch {first} (overhead "
+                f"{format_bytes(r.overhead_bytes)} included{_SEGMENTS if r.caching else ''}) of "
                 f"{format_bytes(r.capacity_bytes)}. Reduce the model or the input size, use mixed "
                 "precision, gradient checkpointing or a sharded optimizer, or a larger device",
                 batch_size=r.spec.min_batch,
-                needed_bytes=peaks[first] + r.overhead_bytes,
+                needed_bytes=needed,
                 capacity_bytes=r.capacity_bytes,
             )
         half = max(first, largest // 2 // r.spec.multiple_of * r.spec.multiple_of)
         top = largest if largest > half else outcome.smallest_fail
-        if top is not None and half not in peaks:
-            probe(half)
-        memory_model = None if top is None else fit_linear([(half, peaks[half]), (top, peaks[top])])
+        memory_model = None
+        if top is not None:  # the tensors' bytes (what a prior for the finder predicts)
+            memory_model = fit_linear([(n, setup.peak(n)) for n in (half, top)])
         breakdown = setup.breakdown(largest)
+        if r.caching:
+            breakdown = dataclasses.replace(
+                breakdown, cached=max(peaks[largest] - breakdown.peak, 0)
+            )
         batch_size = recommend(  # (planned, as a search proves it)
             outcome,
             headroom=r.spec.headroom,
@@ -240,7 +305,7 @@ def _plan_on_meta(r: _Request) -> Plan:
             min_size=r.spec.min_batch,
             probe=probe,
         )
-    extra = []
+    extra = [_placement_note(r)]
     if setup.mode.attention and r.device_type != "cpu":  # (the CPU chose the math path too)
         extra.append(
             "attention planned with the math path; fused attention kernels (flash, "
@@ -253,6 +318,18 @@ def _plan_on_meta(r: _Request) -> Plan:
         points=tuple(sorted(peaks.items())), capacity_bytes=r.capacity_bytes,
         overhead_bytes=r.overhead_bytes, breakdown=breakdown, headroom=float(r.spec.headroom),
         device_type=r.device_type,
+    )
+
+
+def _placement_note(r: _Request) -> str:
+    """How the plan placed the step's storages."""
+    if not r.caching:
+        return f"exact accounting: every storage rounded up to {r.block_bytes} bytes, no segments"
+    setting = "with" if r.allocator().expandable_segments else "without"
+    return (
+        f"placed by a model of CUDA's caching allocator ({setting} expandable segments), over "
+        "a user's fresh loop of 5 or more steps; the peaks are reserved bytes. Not in it: the "
+        "CUDA context and cuBLAS/cuDNN workspaces (pass them as overhead=)"
     )
 
 
@@ -349,9 +426,16 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
                 )
                 return trial
 
+            def placed(n: int) -> Trial:
+                trial, _ = setup.fresh_loop(n, r.allocator())
+                trials.append(trial)
+                logger.info("placed batch %d on a CPU copy: %s", n,
+                            "fits" if trial.fits else "does not fit")
+                return trial
+
             if budget <= _HOST_STEP_BYTES:  # every step fits on this host: measure them all
-                exact = search(measure, min_size=r.spec.min_batch, max_size=r.spec.max_batch,
-                               multiple_of=step, capacity_bytes=budget)
+                exact = search(placed if r.caching else measure, min_size=r.spec.min_batch,
+                               max_size=r.spec.max_batch, multiple_of=step, capacity_bytes=budget)
                 largest = 0 if exact.largest_fit is None else exact.largest_fit
                 line = exact.model
                 reach = "sizes measured up to the answer and the one above it"
@@ -363,13 +447,21 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
                     "peak on its own line (a kernel whose memory changes in steps may make it "
                     "a little optimistic)"
                 )
+                if r.caching:
+                    reach += "; the caching allocator's segments are not placed at those sizes"
             fitting = [t for t in trials if t.fits] or trials
             biggest = max(t.size for t in fitting)
             breakdown_at = setup.breakdown(biggest)
+            if r.caching and not any(t.fits for t in trials):  # (the bytes the message gives)
+                trials.append(Trial(first, False, setup.peak(first)))
         finally:
             restore_rng_states(torch_rng)
             random.setstate(python_rng)
-    peaks = {t.size: t.peak_bytes or 0 for t in trials}
+    # allocated peaks; a size the caching allocator's model refused has none
+    peaks = {t.size: t.peak_bytes or 0 for t in trials if t.peak_bytes is not None}
+    points = peaks if not r.caching else {
+        t.size: t.reserved_bytes for t in trials if t.fits and t.reserved_bytes is not None
+    }
     largest = max(largest, 0) // step * step
     if last is not None:
         largest = min(largest, last)
@@ -378,7 +470,8 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
         raise BatchSizeError(
             f"even the smallest batch ({r.spec.min_batch}) does not fit: measured on a CPU copy, "
             f"the step needs about {format_bytes(needed)} (overhead "
-            f"{format_bytes(r.overhead_bytes)} included) of {format_bytes(r.capacity_bytes)}. Reduce "
+            f"{format_bytes(r.overhead_bytes)} included{_SEGMENTS if r.caching else ''}) of "
+            f"{format_bytes(r.capacity_bytes)}. Reduce "
             "the model or the input size, use mixed precision, gradient checkpointing or a "
             "sharded optimizer, or a larger device",
             batch_size=r.spec.min_batch,
@@ -399,12 +492,14 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
     breakdown = dataclasses.replace(
         breakdown_at, batch=batch_bytes, activations=max(predicted - fixed - batch_bytes, 0)
     )
+    if largest in points:
+        breakdown = dataclasses.replace(breakdown, cached=max(points[largest] - breakdown.peak, 0))
     notes = [
         f"planned from {len(trials)} real steps on a CPU copy (batches "
         f"{', '.join(str(t.size) for t in trials)}; {reach}): {why}",
         *setup.notes,
     ]
-    extra = []
+    extra = [_placement_note(r)]
     if r.device_type != "cpu":
         extra.append(
             f"measured with the CPU's kernels: on {r.device_type} some kernels (cuDNN recurrent "
@@ -414,7 +509,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
         notes, extra, train=r.spec.train, counts_optimizer=setup.optimizer is not None
         or r.spec.step_fn is not None, started=r.started, how=" from real steps",
         batch_size=batch_size, max_batch_size=largest, memory_model=line,
-        points=tuple(sorted(peaks.items())), capacity_bytes=r.capacity_bytes,
+        points=tuple(sorted(points.items())), capacity_bytes=r.capacity_bytes,
         overhead_bytes=r.overhead_bytes, breakdown=breakdown, headroom=float(r.spec.headroom),
         device_type=r.device_type, method="steps",
     )

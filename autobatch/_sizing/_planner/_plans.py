@@ -25,6 +25,8 @@ class PlanBreakdown:
         batch: the input batch.
         activations: everything else alive at the peak: activations saved for backward,
             autograd's buffers and temporaries.
+        cached: what the caching allocator reserves beyond them: the unused parts of its
+            segments at the reserved peak (0 on exact accounting).
     """
 
     parameters: int
@@ -33,20 +35,22 @@ class PlanBreakdown:
     optimizer_state: int
     batch: int
     activations: int
+    cached: int = 0
 
     @property
     def peak(self) -> int:
         """The planned peak bytes, the sum of the parts."""
         return (
             self.parameters + self.buffers + self.gradients + self.optimizer_state + self.batch
-            + self.activations
+            + self.activations + self.cached
         )
 
     def __str__(self) -> str:
         parts = ", ".join(
             f"{name.replace('_', ' ')} {format_bytes(getattr(self, name))}"
             for name in ("parameters", "buffers", "gradients", "optimizer_state", "batch",
-                         "activations")
+                         "activations", "cached")
+            if name != "cached" or self.cached
         )
         return f"peak {format_bytes(self.peak)} = {parts}"
 
@@ -55,10 +59,13 @@ class PlanBreakdown:
 class Plan:
     """What :func:`plan_max_batch` predicts for a device of ``capacity_bytes``.
 
-    ``max_batch_size`` is the largest size whose planned peak plus ``overhead_bytes`` fits the
-    capacity (exact for the planner's accounting: that size was planned and fit, the next one was
-    planned and did not); ``batch_size`` is ``(1 - headroom)`` of it, on the grid. ``points`` are
-    every ``(size, planned peak bytes)`` computed; ``memory_model`` is the line through the points
+    ``max_batch_size`` is the largest size that fits the capacity less ``overhead_bytes``
+    (exact for the planner's accounting: that size was planned and fit, the next one was
+    planned and did not, or the caching allocator's replay of the planned storages says it
+    fails); ``batch_size`` is ``(1 - headroom)`` of it, on the grid. ``points`` are every
+    ``(size, planned peak bytes)`` computed: reserved bytes (the caching allocator's segments)
+    of the sizes that fit on the default ``allocator="caching"``, allocated bytes of every
+    size on exact accounting; ``memory_model`` is the line through the points
     at about half the largest size and at the largest size (``None`` when memory does not grow).
     ``breakdown`` splits the peak at ``max_batch_size``; ``seconds`` is the planning time.
     ``method`` is ``"meta"`` (the step run on the meta device at the sizes planned) or
