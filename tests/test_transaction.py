@@ -995,6 +995,39 @@ def test_embedding_max_norm_is_refused_with_the_right_cause(fault: str, call: in
         assert "the change stays" in message or "may stay changed" in message, message
 
 
+def test_an_oom_in_a_later_optimizer_step_says_what_grad_holds() -> None:
+    """An OOM inside a later (not first) Adam step is refused: the update may be partly
+    applied. The message says what ``.grad`` holds, this batch's whole gradient as backward
+    left it (checked against the same backward unguarded, float64), and that the gradients
+    the step's zero_grad() dropped are not put back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).double()
+    opt = torch.optim.Adam(model.parameters())
+
+    @retry_on_oom(optimizer=opt)
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 2, (16,))
+    for _ in range(3):
+        step(x, y)
+    truth = [torch.autograd.grad(nn.functional.cross_entropy(model(x), y), p)[0]
+             for p in model.parameters()]
+    with inject_oom(phase="optimizer", at_op=3), pytest.raises(AutobatchError) as raised:
+        step(x, y)
+    message = str(raised.value)
+    assert "inside Adam.step()" in message
+    assert "The parameters' .grad hold this batch's gradients" in message
+    assert "zero_grad() at its start) before the whole batch ran out of memory, are not put " \
+        "back." in message
+    assert "step The gradients" not in message  # (sentences end where they should)
+    for p, g in zip(model.parameters(), truth, strict=True):
+        assert p.grad is not None
+        assert torch.equal(p.grad, g)
+
+
 # Reading p.grad in every micro-batch ------------------------------------------------------------
 
 

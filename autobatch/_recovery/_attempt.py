@@ -553,9 +553,11 @@ class _Attempt:
                            (dropped, "dropped (zero_grad() at its start)")):
             if lost:  # (their old values were never copied: the fast path is cheap)
                 message = str(error.args[0]).replace("nothing of it", "nothing else of it")
+                end = "" if message.rstrip().endswith(".") else "."
                 error.args = (
-                    f"{message} The gradients the step {what} before the whole batch ran out "
-                    "of memory stay so.", *error.args[1:])
+                    f"{message}{end} The gradients from before the call, which the step {what} "
+                    "before the whole batch ran out of memory, are not put back.",
+                    *error.args[1:])
 
     def seen(self, describe: Callable[[list[torch.Tensor]], str]) -> Seen:
         """What the failed attempt did that :meth:`rollback` does not undo, for the judge

@@ -366,14 +366,15 @@ def first_step_error(
             f"created its state), {what}: the update is partly applied and cannot be undone, "
             "so it is not retried. Restore from a checkpoint. To avoid it, leave memory for the "
             "optimizer's state, which its first step creates: a smaller first batch, or "
-            "autobatch.find_max_batch with this optimizer, which counts that state" + hint
+            "autobatch.find_max_batch with this optimizer, which counts that state" + hint + "."
         )
     return AutobatchError(
         f"{name} ran out of memory ({kind}) inside {label}.step(), which updates its state "
         "and the parameters in place: the update may be partly applied, so it is not retried "
         "(autobatch retries an OOM inside a step only on the first step, while the state is "
-        "being created and before any parameter changed). Restore from a checkpoint, and leave "
-        "more memory free for the optimizer's step" + hint
+        "being created and before any parameter changed). The parameters' .grad hold this "
+        "batch's gradients, as its backward() left them. Restore from a checkpoint, and leave "
+        "more memory free for the optimizer's step" + hint + "."
     )
 
 
