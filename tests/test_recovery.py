@@ -1145,3 +1145,34 @@ def test_where_bytes_do_not_tell_the_segments_the_pieces_bisect() -> None:
     assert first <= 3
     assert step.stats.ooms == first
     assert step.stats.micro_batch_size == 256
+
+
+def test_a_tensor_argument_with_the_batchs_rows_is_refused_at_the_first_call() -> None:
+    """``step(x, y)`` splits only ``x``: a micro-batch would pair half of ``x`` with all of
+    ``y`` (here ``(pred - y)`` broadcasts to a square: silently wrong, no error). It is
+    refused at the first call, before the step runs, naming the argument and the fix;
+    arguments of another length, a batch of one row and the batch passed whole are not."""
+    model = nn.Linear(4, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        opt.step()
+
+    split_x_only = retry_on_oom(optimizer=opt)(body)
+    with pytest.raises(AutobatchError, match=r"argument 'y' holds a tensor of shape \(16,\), as "
+                       r"many rows as its batch \(argument 'x', 16 rows\)"):
+        split_x_only(torch.randn(16, 4), torch.randn(16))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(AutobatchError, match="argument 'y'"):
+        split_x_only(torch.randn(16, 4), y=torch.randn(16, 1))
+    retry_on_oom(optimizer=opt)(body)(torch.randn(16, 4), torch.randn(1))  # (broadcast: fine)
+    retry_on_oom(optimizer=opt)(body)(torch.randn(1, 4), torch.randn(1))  # (one row: nothing)
+
+    @retry_on_oom(optimizer=opt)
+    def whole(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        body(*batch)
+
+    whole((torch.randn(16, 4), torch.randn(16, 1)))

@@ -1005,18 +1005,18 @@ def test_an_oom_in_a_later_optimizer_step_says_what_grad_holds() -> None:
     opt = torch.optim.Adam(model.parameters())
 
     @retry_on_oom(optimizer=opt)
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
         opt.step()
 
     x, y = torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 2, (16,))
     for _ in range(3):
-        step(x, y)
+        step((x, y))
     truth = [torch.autograd.grad(nn.functional.cross_entropy(model(x), y), p)[0]
              for p in model.parameters()]
     with inject_oom(phase="optimizer", at_op=3), pytest.raises(AutobatchError) as raised:
-        step(x, y)
+        step((x, y))
     message = str(raised.value)
     assert "inside Adam.step()" in message
     assert "The parameters' .grad hold this batch's gradients" in message

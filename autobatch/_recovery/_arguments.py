@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from autobatch._batch import Batch, ambiguous_paths, batch_size, slice_batch
+from autobatch._batch import Batch, ambiguous_paths, batch_size, slice_batch, tensors
 from autobatch._errors import AutobatchError
 from autobatch._log import user_stacklevel
 
@@ -190,6 +190,40 @@ def no_batch(engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any], found: 
         f"first positional argument unless told otherwise: pass "
         f"retry_on_oom(batch_arg={better!r})"
     )
+
+
+def check_rows_elsewhere(
+    engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, total: int
+) -> None:
+    """Refuse an argument besides the batch holding a tensor with as many rows as the batch
+    (``step(x, y)``, where only ``x`` is the batch): a micro-batch would pair part of the
+    batch with all of it, which fails or, where it broadcasts, is silently wrong. The refusal
+    names it and the fix. A batch of one row has nothing to tell."""
+    if total < 2:
+        return
+    try:
+        names = list(inspect.signature(engine.fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    others = [(names[i] if i < len(names) else f"at position {i}", value)
+              for i, value in enumerate(args) if value is not batch]
+    others += [(name, value) for name, value in kwargs.items() if value is not batch]
+    where = engine.keyword or (
+        names[engine.index] if engine.index is not None and engine.index < len(names)
+        else f"at position {engine.index}")
+    for name, value in others:
+        for t in tensors(value):
+            if t.dim() and t.shape[0] == total:
+                raise AutobatchError(
+                    f"{engine.name}'s argument {name!r} holds a tensor of shape "
+                    f"{tuple(t.shape)}, as many rows as its batch (argument {where!r}, {total} "
+                    "rows), but is not part of it: when memory runs short autobatch cuts only "
+                    f"the batch into micro-batches, and each would meet all {total} rows of "
+                    f"{name!r}. Pass them as one batch (step((x, y)), and x, y = batch "
+                    "inside), or name the batch with retry_on_oom(batch_arg=...); if "
+                    f"{name!r} is not per-row data, pass it another way (a closure or an "
+                    "attribute)"
+                )
 
 
 def _batch_like(value: Any) -> bool:

@@ -30,6 +30,7 @@ from autobatch._recovery._arguments import (
     _batch_parameter,
     _modules_of,
     bare_steps,
+    check_rows_elsewhere,
     no_batch,
     warn_tuples,
 )
@@ -140,16 +141,13 @@ class _Engine:
         return [(names.get(id(m), type(m).__name__), m) for m in self.known.modules]
 
     def _discover(self, args: tuple[Any, ...]) -> None:
-        """On the first call: modules among the arguments (a method's ``self``, and the modules
-        it holds as attributes)."""
+        """On the first call: modules among the arguments, and those a method's ``self`` holds."""
         for value in args:
-            if isinstance(value, torch.Tensor):
-                continue
             if isinstance(value, nn.Module):
                 self.known.add_module(value)
-                continue
-            attributes = getattr(value, "__dict__", None)
-            if isinstance(attributes, dict):
+            elif isinstance(attributes := getattr(value, "__dict__", None), dict) and not (
+                isinstance(value, torch.Tensor)
+            ):
                 for name, held in list(attributes.items())[:256]:
                     if isinstance(held, nn.Module):
                         self.named.setdefault(f"self.{name}", held)
@@ -397,6 +395,8 @@ class _Engine:
             return self._whole(args, kwargs, batch, str(error), failure)
         if total == 0:
             return self._whole(args, kwargs, batch, "it has no rows", failure)
+        if self.calls == 0 and failure is None:  # (said now, not at the first OOM)
+            check_rows_elsewhere(self, args, kwargs, batch, total)
         for name, module in _modules_of(self.fn).items():  # (a metric made anew each epoch)
             if id(module) not in self.known.module_ids:
                 self.named[name] = module
