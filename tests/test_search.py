@@ -20,6 +20,7 @@ import autobatch.search
 from autobatch._search._model import (
     Verdicts,
 )
+from autobatch._search._policies import _replay_contradicted
 from autobatch.search import (
     UNBOUNDED_MAX_SIZE,
     Exponential,
@@ -925,3 +926,21 @@ def test_a_replay_answers_for_the_trials_from_its_floor_up() -> None:
     assert trusted_curve([small, *above[:1], replace(above[1], curve=plain)], 10**9) is None
     wrong = [*above[:1], replace(above[1], curve=floored), Trial(250, False)]
     assert trusted_curve(wrong, 10**9) is None
+
+
+def test_after_a_replay_said_a_failing_size_fits_the_bracket_is_bisected() -> None:
+    """A model that takes another branch above 64 rows: the replay from trials at 2 and 8
+    said 4096 fits, and it failed. A line through the same two trials' peaks speaks for the
+    large sizes no better (it aimed at 1121, which failed too), so the next size bisects the
+    bracket; a replay that no failure contradicts still guides."""
+    def light(n: int) -> tuple[int, int] | None:  # (the branch below 64 rows, extended)
+        return (2_980_000 + 10_000 * n, 4_000_000 + 10_000 * n) if n <= 5000 else None
+
+    replay = Verdicts(light, ceiling=5000, floor=2)
+    trials = [Trial(2, True, 3_000_000), Trial(8, True, 3_060_000, curve=replay),
+              Trial(4096, False)]
+    state = SearchState(trials=tuple(trials), largest_fit=8, smallest_fail=4096, min_size=1,
+                        max_size=None, multiple_of=1, capacity_bytes=24 * MIB)
+    assert _replay_contradicted(trials)
+    assert ModelGuided().next_size(state) == Exponential().next_size(state) == 181  # (not 1942)
+    assert not _replay_contradicted(trials[:2])

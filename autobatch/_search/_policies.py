@@ -189,6 +189,18 @@ class Exponential:
         return state.min_size if midpoint is None else midpoint
 
 
+def _replay_contradicted(trials: Sequence[Trial]) -> bool:
+    """Whether a size that the latest caching allocator's replay said fits then failed: the
+    trials it was worked out from ran another graph than that size (a branch taken above some
+    rows), and a line through their peaks speaks for it no better, so the bracket is bisected
+    until two trials of the new graph replay it again."""
+    curve = next((t.curve for t in reversed(trials) if isinstance(t.curve, Verdicts)), None)
+    return curve is not None and any(
+        not t.fits and t.size >= (curve.floor or 0) and curve.peak_at(t.size) is not None
+        for t in trials
+    )
+
+
 @dataclass(frozen=True)
 class ModelGuided:
     """Fit ``peak(n) = a + b*n`` to the measured peaks and jump to the predicted largest fit.
@@ -263,7 +275,7 @@ class ModelGuided:
                 return self._curve_size(state, curve, capacity)
             except (ArithmeticError, ValueError):
                 pass  # (its lines break down further out, a storage's bytes below 0: not used)
-        if self._segment_bound(state):
+        if self._segment_bound(state) or _replay_contradicted(state.trials):
             return self.fallback.next_size(state)  # bisects the bracket
         points, straight = _binding(state.trials, capacity)
         if not points:
