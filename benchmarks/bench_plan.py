@@ -1,6 +1,6 @@
 """How close and how fast is the planner? (not run in CI)
 
-Four tables:
+Five tables:
 
 1. Accuracy. For an MLP, a conv net with BatchNorm and a small transformer (Adam, cross-entropy),
    the planned peak of one training step at several batch sizes next to the peak the simulated GPU
@@ -18,11 +18,16 @@ Four tables:
    ``search_batch_size(..., start=plan.max_batch_size, prior=plan.memory_model)`` takes, next
    to the unseeded search.
 
+4. Segments. On bench_caching's models, capacities and allocator settings, the plan on the
+   caching allocator's model (the default) next to the largest size a user's fresh loop trains
+   in the caching simulator, and the plan on exact accounting beside it.
+
 No GPU is needed; a comparison with ``torch.cuda.max_memory_allocated`` on a real GPU is
 benchmarks/gpu_check.py's job.
 
     python benchmarks/bench_plan.py            # everything, a few minutes on 2 cores
-    python benchmarks/bench_plan.py --quick    # small targets in table 3
+    python benchmarks/bench_plan.py --quick    # small targets in table 3, 3 models in table 4
+    python benchmarks/bench_plan.py --only 4 --models mlp bert
 """
 
 from __future__ import annotations
