@@ -6,7 +6,10 @@
 1. find_max_batch under ``torch.cuda.set_per_process_memory_fraction`` caps: the answer fits in
    five steps of a user's own loop from a fresh AdamW (a new batch copied from host memory each
    step), the next size does not, and allocated memory after the search equals before.
-2. plan_max_batch against ``torch.cuda.max_memory_allocated`` of the same real step (goal: 5%).
+2. plan_max_batch on exact accounting against ``torch.cuda.max_memory_allocated`` of the same
+   real step (goal: 5%), and on the caching allocator's model (its default) against
+   ``torch.cuda.max_memory_reserved`` of a user's fresh loop: what the GPU reserves beyond the
+   plan (cuBLAS/cuDNN workspaces) is the per-device allowance a plan needs in ``overhead=``.
 3. The simulator's peak (CPU) against the GPU's peak for the same steady-state AdamW step
    (``foreach=True`` on both sides, the GPU's default): the bytes resident before the step, the
    peak, and the step's own part (peak less resident). In the dry run both sides are simulated,
@@ -236,16 +239,29 @@ def check_finder(device: torch.device, dry_run: bool, workloads: Workloads) -> l
 
 
 def check_planner(device: torch.device, dry_run: bool, workloads: Workloads) -> list[str]:
-    rows = ["| model | batch | planned peak | measured peak | error |", "|---|---|---|---|---|"]
+    """The plan on exact accounting (``allocator="exact"``) against the allocated peak of the
+    same steady-state step, and the plan on the caching allocator's model (the default)
+    against the reserved peak of a user's fresh loop from an empty cache: the bytes the GPU
+    reserves beyond the plan are what no storage shows (cuBLAS/cuDNN workspaces), the
+    allowance a plan for this device needs in ``overhead=``. In the dry run both are 0."""
+    rows = ["| model | batch | planned allocated | measured allocated | error | planned reserved "
+            "(fresh loop) | measured reserved (fresh loop) | reserved beyond the plan |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, (make, sample) in workloads.items():
         model = make().to(device)
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         opt = torch.optim.AdamW(model.parameters())
         for n in (8, 64):
-            plan = autobatch.plan_max_batch(
+            exact = autobatch.plan_max_batch(
                 model, sample(1), opt, capacity="1TiB", loss_fn=CE,
+                min_batch=n, max_batch=n, device=device, allocator="exact",
+            )
+            planned = max(peak for size, peak in exact.points if size == n)
+            placed = autobatch.plan_max_batch(
+                model, sample(1), torch.optim.AdamW, capacity="1TiB", loss_fn=CE,
                 min_batch=n, max_batch=n, device=device,
             )
-            planned = max(peak for size, peak in plan.points if size == n)
+            planned_reserved = dict(placed.points)[n]
             x, y = (t.to(device) for t in sample(n))
             _step(model, opt, x, y)  # the optimizer state exists: steady state, as planned
             with _measured(device, dry_run) as gpu:
@@ -256,11 +272,20 @@ def check_planner(device: torch.device, dry_run: bool, workloads: Workloads) -> 
                 _step(model, opt, x, y)
                 memory.synchronize()
                 measured = memory.peak_bytes()
+            del x, y
+            model.zero_grad(set_to_none=True)
+            opt.state.clear()
+            with _measured(device, dry_run) as gpu:
+                if gpu is not None:
+                    gpu.adopt(model)
+                loop = _loop_peaks(model, sample, n, device, state)
+            reserved = 0 if loop is None else loop[1]
             rows.append(
                 f"| {name} | {n} | {planned / 2**20:.1f} MiB | {measured / 2**20:.1f} MiB | "
-                f"{(planned - measured) / measured * 100:+.1f}% |"
+                f"{(planned - measured) / measured * 100:+.1f}% | "
+                f"{planned_reserved / 2**20:.1f} MiB | {reserved / 2**20:.1f} MiB | "
+                f"{(reserved - planned_reserved) / 2**20:+.1f} MiB |"
             )
-            del x, y
         model.zero_grad(set_to_none=True)
         del model, opt
         autobatch.free_memory()

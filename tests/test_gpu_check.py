@@ -45,6 +45,9 @@ def test_gpu_check_dry_run_passes_every_check() -> None:
         assert next(v for k, v in row.items() if k.startswith("params allclose")).startswith("True")
     for heading in ("## 2.", "## 3.", "## 5."):
         assert _table(out, heading), heading
+    for row in _table(out, "## 2."):  # the plans and the simulator that measures them agree
+        assert row["error"] == "+0.0%", row
+        assert row["reserved beyond the plan"] == "+0.0 MiB", row
     reserved = _table(out, "## 6.")
     assert {row["expandable"] for row in reserved} == {"True", "False"}
     for row in reserved:  # both sides are the same simulator: no difference at all
