@@ -2,10 +2,12 @@
 
 For bench_search's models under ``--allocator caching`` (an MLP, a conv net with BatchNorm, a
 small transformer, each with Adam, and a tiny MLP 16-32-32-4 with AdamW), two of its capacities
-each, and four models it does not have (an LSTM over vector sequences; an ``nn.EmbeddingBag``
+each, and five models it does not have (an LSTM over vector sequences; an ``nn.EmbeddingBag``
 recommender, a 50000-row table and a tiny cost per row; an MLP whose forward takes another
 branch past 64 rows, so the finder's small trials run other operators than the large ones; a
-BERT sequence classifier built by ``transformers`` from a small config), each with Adam, every
+BERT sequence classifier built by ``transformers`` from a small config; a mixture of experts,
+top-2 of 8, whose experts' shapes depend on the router and so on the weights the steps train),
+each with Adam, every
 case runs in a ``SimulatedGPU(capacity, allocator="caching")`` without and with expandable
 segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which the simulator reads as
 torch does).
@@ -36,7 +38,7 @@ with their CPU time as a ratio to ours. torch runs one thread (``torch.set_num_t
 so that a thread's CPU time is all the CPU a step takes; only ratios are printed, never seconds.
 The process exits with status 1 when a goal is missed.
 
-    python benchmarks/bench_caching.py                   # 32 cases, ~13 minutes on 2 cores
+    python benchmarks/bench_caching.py                   # 36 cases, ~15 minutes on 2 cores
     python benchmarks/bench_caching.py --quick           # 3 models, 1 capacity each, ~1 minute
     python benchmarks/bench_caching.py --no-peers        # ours only
     python benchmarks/bench_caching.py --models lstm bert --no-peers
@@ -65,7 +67,7 @@ from autobatch._sizing._workload import DEFAULT_HEADROOM
 from autobatch._units import format_bytes, parse_bytes
 from autobatch.search import SearchResult
 from autobatch.testing import SimulatedGPU
-from autobatch.testing.models import RecurrentClassifier
+from autobatch.testing.models import RecurrentClassifier, mixture_of_experts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _peers import Peer  # sibling modules of this script
@@ -98,6 +100,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "embedding-bag": ("64MiB", "96MiB"),  # about 32000, 48000
     "branchy": ("6MiB", "24MiB"),  # about 480, 2900 (1100 with expandable segments)
     "bert": ("16MiB", "48MiB"),  # about 40, 130
+    "moe": ("8MiB", "24MiB"),  # about 640, 2048
 }
 QUICK_MODELS: dict[str, tuple[str, ...]] = {
     "mlp": ("4MiB",), "branchy": ("6MiB",), "embedding-bag": ("64MiB",),
@@ -204,6 +207,9 @@ def new_setup(name: str) -> Setup:
     elif name == "bert":  # 32 tokens per row
         model = bert()
         inputs = torch.randint(0, 1000, (SAMPLE_ROWS, 32))
+    elif name == "moe":  # top-2 of 8 experts: each expert's rows depend on the router
+        model = mixture_of_experts()
+        inputs = torch.randn(SAMPLE_ROWS, 128)
     else:
         raise ValueError(f"unknown model {name!r}")
     labels = torch.randint(0, 10, (SAMPLE_ROWS,))

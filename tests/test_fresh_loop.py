@@ -22,7 +22,7 @@ from autobatch import BatchSizeError, LengthTable, search_batch_size, search_bat
 from autobatch._sizing._trial import CACHING_STEPS
 from autobatch.data import MemoryAwareBatchSampler
 from autobatch.testing import SimulatedGPU
-from autobatch.testing.models import conv_net, gru, mlp, tokens, transformer
+from autobatch.testing.models import conv_net, gru, mixture_of_experts, mlp, tokens, transformer
 
 CE = nn.functional.cross_entropy
 
@@ -389,3 +389,31 @@ def test_an_lstm_whose_replay_is_off_by_a_few_blocks_is_exact_in_few_trials() ->
     assert len(result.trials) <= 6, result.trials
     assert fresh_loop_fits(template, _sequences, n, "32MiB", steps=CACHING_STEPS)
     assert not fresh_loop_fits(template, _sequences, n + 1, "32MiB", steps=CACHING_STEPS)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_mixture_of_experts_trains_its_largest_size_in_a_fresh_loop(expandable: bool) -> None:
+    """Each expert's rows depend on the router, and the router on the weights the trials' own
+    steps train: every trial starts from the user's weights (before, each trial ran on the
+    weights the one before it left, and an answer failed the user's loop), and the replay
+    drawn through storages that are no line in the size only aims the search (before: 16 to
+    19 trials). On the same rows as the trials, the answer trains a fresh loop and one more
+    does not."""
+    torch.manual_seed(0)
+    template = mixture_of_experts()
+    features, labels = torch.randn(8, 128), torch.randint(0, 10, (8,))
+
+    def rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cycled = torch.arange(n) % 8
+        return features[cycled], labels[cycled]
+
+    model = copy.deepcopy(template)
+    simulator = {"allocator": "caching", "expandable_segments": expandable}
+    with SimulatedGPU("8MiB", **simulator) as gpu:  # type: ignore[arg-type]
+        gpu.adopt(model)  # (the sample's 8 rows, cycled as rows() cycles them)
+        result = search_batch_size(model, (features, labels), torch.optim.AdamW, loss_fn=CE,
+                                   headroom=0)
+    n = result.max_batch_size
+    assert fresh_loop_fits(template, rows, n, "8MiB", steps=CACHING_STEPS, **simulator)
+    assert not fresh_loop_fits(template, rows, n + 1, "8MiB", steps=CACHING_STEPS, **simulator)
+    assert len(result.trials) <= 8, result.trials

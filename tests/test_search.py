@@ -944,3 +944,19 @@ def test_after_a_replay_said_a_failing_size_fits_the_bracket_is_bisected() -> No
     assert _replay_contradicted(trials)
     assert ModelGuided().next_size(state) == Exponential().next_size(state) == 181  # (not 1942)
     assert not _replay_contradicted(trials[:2])
+
+
+def test_a_replay_drawn_through_storages_that_are_no_line_only_aims() -> None:
+    """A replay drawn through storages whose bytes are not a line in the size (the rows a
+    router sends each expert) gives both its trials' peaks, yet never stands for a trial: it is
+    not trusted as exact (no size is skipped on its word, no island is taken from it), and it
+    is taken as a guide, which every size it proposes is tried against."""
+    def peaks(n: int) -> tuple[int, int] | None:
+        return (1000 * n, 1000 * n) if n <= 300 else None
+
+    guess = Verdicts(peaks, ceiling=400, floor=100, approximate=True)
+    trials = [Trial(100, True, 100_000), Trial(200, True, 200_000, curve=guess)]
+    assert trusted_curve(trials, 10**9) is None
+    assert trusted_curve(trials, 10**9, tolerance=0.01) is guess
+    exact = Verdicts(peaks, ceiling=400, floor=100)
+    assert trusted_curve([trials[0], replace(trials[1], curve=exact)], 10**9) is exact

@@ -318,29 +318,48 @@ def _storage_keys(values: Any) -> set[int]:
     return keys
 
 
+#: A storage's bytes as a line in the size through two trials': ``(rise, run, bytes, size)``,
+#: the bytes at ``size`` and their rise over ``run`` more rows; rounded up between them.
+Line = tuple[int, int, int, int]
+
+
 def _lines(
-    first: tuple[int, list[tuple[int, int, int]]], second: tuple[int, list[tuple[int, int, int]]]
-) -> dict[int, tuple[int, int]] | None:
-    """Each storage's bytes as a line in the size, ``serial -> (slope, offset)``, from two
-    trials' events (``(size, events)``, alike but for sizes); ``None`` when one is not."""
+    first: tuple[int, list[tuple[int, int, int]]], second: tuple[int, list[tuple[int, int, int]]],
+    *, approximate: bool = False,
+) -> dict[int, Line] | None:
+    """Each storage's bytes as a line in the size, ``serial -> line``, from two trials' events
+    (``(size, events)``, alike but for sizes); ``None`` when one is not a line in whole bytes
+    per row, unless ``approximate`` (shapes that depend on the data, such as the rows a router
+    sends each expert): then the line through both, rounded up."""
     (n1, events1), (n2, events2) = first, second
     if n1 == n2 or len(events1) != len(events2):
         return None
-    lines: dict[int, tuple[int, int]] = {}
+    lines: dict[int, Line] = {}
     for (_, serial, a), (_, _, b) in zip(events1, events2, strict=True):
         if a < 0:
             continue
-        slope, rest = divmod(b - a, n2 - n1)
-        if rest:
+        if (b - a) % (n2 - n1) and not approximate:
             return None  # not affine in the size
-        lines[serial] = (slope, a - slope * n1)
+        lines[serial] = (b - a, n2 - n1, a, n1)
     return lines
 
 
-def _sizes(lines: dict[int, tuple[int, int]], n: int) -> Callable[[int], int]:
+def _exact(lines: dict[int, Line]) -> bool:
+    """Whether every line gives whole bytes per row (not one drawn through data-dependent
+    sizes)."""
+    return all(rise % run == 0 for rise, run, _, _ in lines.values())
+
+
+def _canonical(line: Line) -> tuple[int, ...]:
+    """A line as one value whichever two sizes drew it: ``(slope, offset)`` where whole."""
+    rise, run, at, start = line
+    return line if rise % run else (rise // run, at - rise // run * start)
+
+
+def _sizes(lines: dict[int, Line], n: int) -> Callable[[int], int]:
     def size(serial: int) -> int:
-        slope, offset = lines[serial]
-        raw = slope * n + offset
+        rise, run, at, start = lines[serial]
+        raw = at - (-rise * (n - start) // run)
         if raw < 0:
             raise ValueError(f"a storage would have {raw} bytes at size {n}")
         return raw
@@ -349,7 +368,7 @@ def _sizes(lines: dict[int, tuple[int, int]], n: int) -> Callable[[int], int]:
 
 
 def _running_peak(
-    lines: dict[int, tuple[int, int]], order: list[tuple[int, bool]], base: int, block: int
+    lines: dict[int, Line], order: list[tuple[int, bool]], base: int, block: int
 ) -> Callable[[int], int]:
     """The highest total of live storages, each rounded up to ``block``, over ``order``
     (``(serial, died)``) at any size, from ``base`` bytes resident."""
@@ -424,13 +443,15 @@ def _replayed_curve(
     same storages alike: one function, each size replayed once."""
     n1, base, events1, peak1 = first.size, first.base, first.events, first.peak
     n2, events2, peak2 = second.size, second.events, second.peak
-    lines = _lines((n1, events1), (n2, events2))
+    lines = _lines((n1, events1), (n2, events2), approximate=True)
     if lines is None:
         return None
+    exact = _exact(lines)
     order = [(serial, nbytes < 0) for _, serial, nbytes in events1]
     known = None
     if replays is not None:
-        key = (tuple(sorted(lines.items())), tuple(order), model.limit,
+        key = (tuple(sorted((k, _canonical(line)) for k, line in lines.items())), tuple(order),
+               model.limit,
                model.expandable_segments, tuple(model.blocks()))
         known = replays.setdefault(key, {})
 
@@ -449,7 +470,8 @@ def _replayed_curve(
         while high - low > 1:
             middle = (low + high) // 2
             low, high = (middle, high) if packed(middle) <= model.limit else (low, middle)
-        curve = Verdicts(replay, ceiling=low, floor=min(n1, n2), known=known)
+        curve = Verdicts(replay, ceiling=low, floor=min(n1, n2), known=known,
+                         approximate=not exact)
         if curve.peak_at(n1) != peak1 or curve.peak_at(n2) != peak2:
             return None
     except ValueError:

@@ -228,8 +228,12 @@ class Verdicts:
     def __init__(
         self, peaks: Callable[[int], tuple[int, int] | None], ceiling: int | None = None,
         floor: int | None = None, known: dict[int, tuple[int, int] | None] | None = None,
+        approximate: bool = False,
     ) -> None:
         self._peaks = peaks
+        #: Worked out from storages whose bytes are not a line in the size (shapes that
+        #: depend on the data): it aims the search, and never stands for a trial.
+        self.approximate = approximate
         self._known: dict[int, tuple[int, int] | None] = {} if known is None else known
         #: No size above this fits (``None``: unknown).
         self.ceiling = ceiling
@@ -276,6 +280,8 @@ def trusted_curve(
     :class:`Verdicts` curve only) whose peaks are that close is taken too: not exact (a storage
     that is not quite a line in the size, an LSTM's, is off by a few blocks), but where it says
     sizes stop fitting it is the best guide there is, and every size it proposes is still tried.
+    A replay drawn through storages that are no line at all (``approximate``: the rows a router
+    sends each expert) is taken only so.
 
     >>> line = lambda n: 1000 + 512 * n
     >>> trials = [Trial(2, True, line(2)), Trial(8, True, line(8), curve=line)]
@@ -287,6 +293,8 @@ def trusted_curve(
     curve = next((t.curve for t in reversed(trials) if t.curve is not None), None)
     if curve is None or (tolerance and not isinstance(curve, Verdicts)):
         return None
+    if not tolerance and isinstance(curve, Verdicts) and curve.approximate:
+        return None  # (its verdicts are a guess: every size it proposes is tried)
     floor = curve.floor if isinstance(curve, Verdicts) else None
     try:
         for trial in trials:

@@ -297,24 +297,32 @@ class SavedState:
 
     def restore(self) -> None:
         """Put everything back as it was when it was saved."""
-        state = self.module
-        for module, training in state.training:
+        for module, training in self.module.training:
             module.training = training
-        for module, name, original, saved in state.buffers:
-            if original is not None and saved is not None:
-                _put_back(original, saved)
-            module._buffers[name] = original
-        for param, saved in state.tensors:
-            _put_back(param, saved)
-        for param, flag in state.flags:
+        for param, flag in self.module.flags:
             param.requires_grad_(flag)
+        self.rewind()
         for param in self.params:
             param.grad = None
         self.grads.put_back()
-        for optimizer, entries in zip(self.optimizers, self.optimizer_states, strict=True):
-            self._restore_optimizer(optimizer, entries)
         for obj, attributes in self.extras:
             self._restore_object(obj, attributes)
+
+    def rewind(self) -> None:
+        """The values a training step changes as they were saved: parameters, buffers,
+        optimizer state and the random streams (not the modes, flags and gradients the
+        trials set): before each trial that replays a user's first steps, so that every
+        trial starts where the user's loop does (where the weights decide shapes, as a
+        router's choice of experts, a trial on weights trained by the one before would
+        measure another step)."""
+        for module, name, original, saved in self.module.buffers:
+            if original is not None and saved is not None:
+                _put_back(original, saved)
+            module._buffers[name] = original
+        for param, saved in self.module.tensors:
+            _put_back(param, saved)
+        for optimizer, entries in zip(self.optimizers, self.optimizer_states, strict=True):
+            self._restore_optimizer(optimizer, entries)
         restore_rng_states(self.rng)
         random.setstate(self.python_rng)
         numpy = sys.modules.get("numpy")

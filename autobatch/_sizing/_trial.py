@@ -60,6 +60,7 @@ class TrialSetup:
     measured_eager: bool = False  # ... and the trials run their eager originals
 
     fresh_optimizer: bool = False  # the optimizer had no state when the search began
+    saved: SavedState | None = None  # the state as the search began
 
     def drop_gradients(self) -> None:
         """Set every gradient to None, and let the last loss go: after a failed trial, and
@@ -70,8 +71,12 @@ class TrialSetup:
             self.optimizer.zero_grad(set_to_none=True)
 
     def start_over(self) -> None:
-        """Before a trial that replays the user's first steps: gradients dropped, and the
+        """Before a trial that replays the user's first steps: the weights, buffers,
+        optimizer state and random streams as the search began (see
+        :meth:`~autobatch._sizing._state.SavedState.rewind`), gradients dropped, and the
         optimizer's state, if the user's had none, dropped too (its first step makes it)."""
+        if self.saved is not None:
+            self.saved.rewind()
         self.drop_gradients()
         if self.optimizer is not None and self.fresh_optimizer:
             self.optimizer.state.clear()
@@ -130,6 +135,7 @@ def prepared(
         compiled=compiled,
         measured_eager=compiled and under_mode,
         fresh_optimizer=made is not None and not made.state,
+        saved=saved_state,
     )
     try:
         if not train:
