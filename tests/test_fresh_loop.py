@@ -68,6 +68,7 @@ def test_the_largest_size_trains_in_a_fresh_loop_and_one_more_does_not(
     assert fresh_loop_fits(template, sample, n, capacity, steps=CACHING_STEPS, **simulator)
     assert not fresh_loop_fits(template, sample, n + 1, capacity, steps=CACHING_STEPS, **simulator)
     assert all(t.steps >= CACHING_STEPS for t in result.trials if t.fits)
+    assert not any("not a line in the batch size" in note for note in result.notes)
     # 2, 8, the answer, and the size above unless the allocator's replay said it fails
     assert len(result.trials) <= 4, result.trials
 
@@ -417,3 +418,4 @@ def test_a_mixture_of_experts_trains_its_largest_size_in_a_fresh_loop(expandable
     assert fresh_loop_fits(template, rows, n, "8MiB", steps=CACHING_STEPS, **simulator)
     assert not fresh_loop_fits(template, rows, n + 1, "8MiB", steps=CACHING_STEPS, **simulator)
     assert len(result.trials) <= 8, result.trials
+    assert any("not a line in the batch size" in note for note in result.notes), result.notes

@@ -20,7 +20,7 @@ from autobatch._oom import oom_kind
 from autobatch._records._cache import CacheOption, cached_search, open_cache, search_key
 from autobatch._records._progress import OnTrial, watching
 from autobatch._records._result import SearchResult
-from autobatch._search import LinearModel, SearchPolicy, Trial, recommend, search
+from autobatch._search import LinearModel, SearchPolicy, Trial, Verdicts, recommend, search
 from autobatch._sizing._state import modules_referenced
 from autobatch._sizing._trial import TrialRunner, prepared
 from autobatch._sizing._workload import (
@@ -276,6 +276,14 @@ def _measured_search(
             f"batch {n} was not run: the caching allocator's replay, which gave every trial's "
             f"peak exactly, runs out of memory there" for n in outcome.replayed
         ]
+        if any(isinstance(t.curve, Verdicts) and t.curve.approximate for t in outcome.trials):
+            notes.append(
+                "the step's tensors are not a line in the batch size (sizes that are not whole "
+                "bytes per row: shapes that depend on the data or the weights, such as the rows "
+                "a router sends each expert, or a kernel's workspace): every size was decided "
+                "by a trial on the sample's rows, and other rows, or weights further into "
+                "training, may need more; the recommended size leaves room for that"
+            )
         below = sorted(t.size for t in outcome.trials if not t.fits and t.size < outcome.largest_fit)
         if below:
             notes.append(
