@@ -674,3 +674,48 @@ def test_nothing_fits_on_segments_says_so() -> None:
     with pytest.raises(BatchSizeError, match="reserves them in segments, 2 MiB at least"):
         plan_max_batch(mlp(), WORKLOADS["mlp"].sample(1), torch.optim.Adam, capacity="1MiB",
                        device="cpu")
+
+
+def test_a_plan_from_real_steps_beyond_this_host_replays_them_on_segments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the sizes are too large to run on this host (here: above 1 MiB a step, for the
+    test), a recurrent model's plan replays two small fresh loops' storages through the
+    caching allocator's model instead of extrapolating allocated bytes alone (which
+    planned a GRU 14% above what trains): the answer is the fresh loop's."""
+    monkeypatch.setattr(autobatch._sizing._planner._plan, "_HOST_STEP_BYTES", 2**20)
+    torch.manual_seed(0)
+    model = RecurrentClassifier("GRU", 2, True, inputs=8, hidden=32, classes=4)
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 8, 8), torch.randint(0, 4, (n,))
+
+    plan = plan_max_batch(model, sample(2), torch.optim.AdamW, "24MiB", loss_fn=CE,
+                          device="cpu", headroom=0)
+    assert plan.method == "steps"
+    assert any("replayed through the caching allocator's model" in n for n in plan.notes)
+    assert fresh_loop_fits(model, sample, plan.max_batch_size, "24MiB")
+    assert not fresh_loop_fits(model, sample, plan.max_batch_size + 1, "24MiB")
+
+
+def test_a_batchnorm_model_where_only_one_row_could_fit_names_min_batch() -> None:
+    """On a device so small that the search goes down to one row, a BatchNorm model cannot
+    train at all (torch needs 2 rows): the error says so and names min_batch=2."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 10))
+    sample = (torch.randn(1, 64), torch.randint(0, 10, (1,)))
+    with pytest.raises(AutobatchError, match=r"BatchNorm1d.*at least 2 rows when training; "
+                       r"pass min_batch=2"):
+        plan_max_batch(model, sample, torch.optim.AdamW, "1MiB", loss_fn=CE, device="cpu")
+    with pytest.raises(BatchSizeError, match=r"even the smallest batch \(2\) does not fit"):
+        plan_max_batch(model, sample, torch.optim.AdamW, "1MiB", loss_fn=CE, device="cpu",
+                       min_batch=2)
+
+
+def test_inference_through_torchs_fused_transformer_layers_says_the_plan_is_a_lower_bound() -> None:
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    plan = plan_max_batch(layer, torch.randn(1, 16, 32), capacity="8MiB", train=False,
+                          device="cpu")
+    assert any("fused fast path" in note and "lower bound" in note for note in plan.notes)
+    trained = plan_max_batch(layer, torch.randn(1, 16, 32), torch.optim.AdamW, capacity="8MiB",
+                             device="cpu")
+    assert not any("fused fast path" in note for note in trained.notes)

@@ -1147,32 +1147,54 @@ def test_where_bytes_do_not_tell_the_segments_the_pieces_bisect() -> None:
     assert step.stats.micro_batch_size == 256
 
 
-def test_a_tensor_argument_with_the_batchs_rows_is_refused_at_the_first_call() -> None:
-    """``step(x, y)`` splits only ``x``: a micro-batch would pair half of ``x`` with all of
-    ``y`` (here ``(pred - y)`` broadcasts to a square: silently wrong, no error). It is
-    refused at the first call, before the step runs, naming the argument and the fix;
-    arguments of another length, a batch of one row and the batch passed whole are not."""
+def test_a_tensor_argument_with_the_batchs_rows_is_never_cut_silently() -> None:
+    """``step(x, y)`` cuts only ``x``: a micro-batch would pair half of ``x`` with all of
+    ``y`` (here ``(pred - y)`` broadcasts to a square: silently wrong, no error). The first
+    call warns (class weights or a mask over positions can be as long as a batch by chance);
+    a call whose batch must be cut is refused, the state as before it, also where the
+    argument first appears in a later call and where it is the batch itself (``step(x, x)``).
+    Arguments of another length and a batch of one row say nothing."""
     model = nn.Linear(4, 1)
-    before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def body(x: torch.Tensor, y: torch.Tensor) -> None:
+    def body(x: torch.Tensor, y: torch.Tensor | None = None) -> None:
         opt.zero_grad()
-        (model(x) - y).pow(2).mean().backward()
+        (model(x) - (x[:, :1] if y is None else y)).pow(2).mean().backward()
         opt.step()
 
-    split_x_only = retry_on_oom(optimizer=opt)(body)
-    with pytest.raises(AutobatchError, match=r"argument 'y' holds a tensor of shape \(16,\), as "
-                       r"many rows as its batch \(argument 'x', 16 rows\)"):
-        split_x_only(torch.randn(16, 4), torch.randn(16))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    with pytest.raises(AutobatchError, match="argument 'y'"):
-        split_x_only(torch.randn(16, 4), y=torch.randn(16, 1))
-    retry_on_oom(optimizer=opt)(body)(torch.randn(16, 4), torch.randn(1))  # (broadcast: fine)
-    retry_on_oom(optimizer=opt)(body)(torch.randn(1, 4), torch.randn(1))  # (one row: nothing)
+    def state() -> list[torch.Tensor]:
+        return [p.detach().clone() for p in model.parameters()]
 
-    @retry_on_oom(optimizer=opt)
-    def whole(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        body(*batch)
+    step = retry_on_oom(optimizer=opt)(body)
+    x, y = torch.randn(16, 4), torch.randn(16)
+    with pytest.warns(UserWarning, match=r"argument 'y' holds a tensor of shape \(16,\), as "
+                      r"many rows as its batch \(argument 'x', 16 rows\)"):
+        step(x, y)
+    before = state()
+    with inject_oom(phase="backward", at_op=2), pytest.raises(
+        AutobatchError, match="argument 'y' holds a tensor of shape"
+    ):
+        step(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(before, state(), strict=True))
 
-    whole((torch.randn(16, 4), torch.randn(16, 1)))
+    later = retry_on_oom(optimizer=opt)(body)
+    later(x)  # (nothing beside the batch at the first call)
+    before = state()
+    with inject_oom(phase="backward", at_op=2), pytest.raises(AutobatchError, match="'y'"):
+        later(x, y=torch.randn(16, 1))
+    assert all(torch.equal(a, b) for a, b in zip(before, state(), strict=True))
+    with inject_oom(phase="backward", at_op=2), pytest.raises(AutobatchError, match="'y'"):
+        later(x, x)  # (the batch itself, not cut)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        retry_on_oom(optimizer=opt)(body)(x, torch.randn(1))  # (broadcast: fine)
+        retry_on_oom(optimizer=opt)(body)(torch.randn(1, 4), torch.randn(1))  # (one row)
+
+        @retry_on_oom(optimizer=opt)
+        def whole(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+            body(*batch)
+
+        whole((x, torch.randn(16, 1)))
+        with inject_oom(phase="backward", at_op=2):
+            whole((x, torch.randn(16, 1)))  # (cut, both parts alike)

@@ -192,38 +192,58 @@ def no_batch(engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any], found: 
     )
 
 
-def check_rows_elsewhere(
-    engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, total: int
-) -> None:
-    """Refuse an argument besides the batch holding a tensor with as many rows as the batch
-    (``step(x, y)``, where only ``x`` is the batch): a micro-batch would pair part of the
-    batch with all of it, which fails or, where it broadcasts, is silently wrong. The refusal
-    names it and the fix. A batch of one row has nothing to tell."""
+def rows_elsewhere(
+    engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any], total: int
+) -> str | None:
+    """What is wrong with an argument besides the batch that holds a tensor with as many rows
+    as the batch (``step(x, y)``, where only ``x`` is the batch; ``step(x, x)``): a
+    micro-batch would pair part of the batch with all of it, which fails or, where it
+    broadcasts, is silently wrong. ``None`` where there is none (or the batch has one row)."""
     if total < 2:
-        return
+        return None
     try:
         names = list(inspect.signature(engine.fn).parameters)
     except (TypeError, ValueError):
         names = []
-    others = [(names[i] if i < len(names) else f"at position {i}", value)
-              for i, value in enumerate(args) if value is not batch]
-    others += [(name, value) for name, value in kwargs.items() if value is not batch]
-    where = engine.keyword or (
+    positional = engine.keyword is None or engine.keyword not in kwargs
+    others = [(names[i] if i < len(names) else f"#{i}", value) for i, value in enumerate(args)
+              if not (positional and i == engine.index)]
+    others += [(name, value) for name, value in kwargs.items()
+               if positional or name != engine.keyword]
+    where = engine.keyword if not positional else (
         names[engine.index] if engine.index is not None and engine.index < len(names)
-        else f"at position {engine.index}")
+        else f"#{engine.index}")
     for name, value in others:
         for t in tensors(value):
             if t.dim() and t.shape[0] == total:
-                raise AutobatchError(
+                return (
                     f"{engine.name}'s argument {name!r} holds a tensor of shape "
                     f"{tuple(t.shape)}, as many rows as its batch (argument {where!r}, {total} "
                     "rows), but is not part of it: when memory runs short autobatch cuts only "
                     f"the batch into micro-batches, and each would meet all {total} rows of "
-                    f"{name!r}. Pass them as one batch (step((x, y)), and x, y = batch "
-                    "inside), or name the batch with retry_on_oom(batch_arg=...); if "
-                    f"{name!r} is not per-row data, pass it another way (a closure or an "
-                    "attribute)"
+                    f"{name!r}. Pass them as one batch (the step taking one argument that "
+                    "holds both, a tuple or a dict), or name the batch with "
+                    f"retry_on_oom(batch_arg=...); if {name!r} is not per-row data (class "
+                    "weights, a mask over positions), pass it another way, a closure or an "
+                    "attribute"
                 )
+    return None
+
+
+def check_rows_elsewhere(
+    engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any], total: int, *, first: bool
+) -> None:
+    """See :func:`rows_elsewhere`: at the first call a warning (such an argument may be no
+    per-row data that is as long as the batch by chance: class weights, a mask over
+    positions); where the batch is about to be cut, a refusal, since the cut would be wrong."""
+    problem = rows_elsewhere(engine, args, kwargs, total)
+    if problem is None:
+        return
+    if first:
+        warnings.warn(f"{problem}. If memory runs short, the call is refused rather than cut",
+                      stacklevel=user_stacklevel())
+        return
+    raise AutobatchError(problem)
 
 
 def _batch_like(value: Any) -> bool:

@@ -396,7 +396,7 @@ class _Engine:
         if total == 0:
             return self._whole(args, kwargs, batch, "it has no rows", failure)
         if self.calls == 0 and failure is None:  # (said now, not at the first OOM)
-            check_rows_elsewhere(self, args, kwargs, batch, total)
+            check_rows_elsewhere(self, args, kwargs, total, first=True)
         for name, module in _modules_of(self.fn).items():  # (a metric made anew each epoch)
             if id(module) not in self.known.module_ids:
                 self.named[name] = module

@@ -25,6 +25,7 @@ from autobatch._recovery._accumulate import _Accumulation, reset_scalers
 from autobatch._recovery._arguments import (
     _count_items,
     bare_steps,
+    check_rows_elsewhere,
     describe_params,
     foreign_steps,
     piece_too_small,
@@ -270,6 +271,7 @@ class _BatchRun:
         if n < total and not self.split:
             self.split = True
             refuse_bare_steps(engine)  # (one optimizer step per micro-batch, unasked)
+            check_rows_elsewhere(engine, self.args, self.kwargs, total, first=False)
             warn_tuples(engine.name, self.batch, engine.warned)
             options = engine.options
             if options.items is not None and options.reduction == "mean":

@@ -217,6 +217,11 @@ def plan_max_batch(
         try:
             return _plan_on_meta(request)
         except _StepError as error:
+            if "more than 1 value per channel" in str(error):  # (BatchNorm, training, 1 row)
+                raise AutobatchError(
+                    f"{str(error).split(' (ValueError')[0]}: a normalisation over the batch "
+                    "needs at least 2 rows when training; pass min_batch=2"
+                ) from None
             why = str(error).split(". The planner runs shapes")[0]
             warnings.warn(
                 f"{why}. Planning from two or three small real steps on a CPU copy instead, "
@@ -306,6 +311,14 @@ def _plan_on_meta(r: _Request) -> Plan:
             probe=probe,
         )
     extra = [_placement_note(r)]
+    fast = sorted({type(m).__name__ for m in r.model.modules()
+                   if isinstance(m, (nn.TransformerEncoderLayer, nn.MultiheadAttention))})
+    if fast and not r.spec.train:
+        extra.append(
+            f"inference through {', '.join(fast)}: on a device torch runs them on its fused "
+            "fast path, which a meta run cannot take; the plan is for the slower path, which "
+            "holds more, so the batch planned is a lower bound there"
+        )
     if setup.mode.attention and r.device_type != "cpu":  # (the CPU chose the math path too)
         extra.append(
             "attention planned with the math path; fused attention kernels (flash, "
@@ -389,6 +402,28 @@ def _extrapolated(
     return largest, line
 
 
+def _replayed_largest(setup: _MetaSetup, r: _Request, first: int, last: int | None) -> int | None:
+    """The largest size a caching allocator's replay of two small fresh loops' storages
+    (real CPU steps, each storage a line in the size) says fits, searched as trials would be;
+    ``None`` where the loops do not line up."""
+    placed = []
+    for n in (max(first, 2), max(first, 2) * 4):
+        trial, events = setup.fresh_loop(n, r.allocator())
+        if not trial.fits or not trial.peak_bytes:
+            return None
+        placed.append(StorageTrial(n, 0, events, trial.peak_bytes))
+    curve = _replayed_curve(placed[0], placed[1], r.allocator())
+    if curve is None:
+        return None
+
+    def replayed(n: int) -> Trial:
+        peak = curve.peak_at(n)
+        return Trial(n, peak is not None, peak)
+
+    outcome = search(replayed, min_size=first, max_size=last, multiple_of=r.spec.multiple_of)
+    return outcome.largest_fit or 0
+
+
 def _plan_from_steps(r: _Request, why: str) -> Plan:
     """The plan from two or three small real steps on CPU copies of the model and optimizer,
     counted with the same accounting, each operator's peak extrapolated on its own line."""
@@ -433,6 +468,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
                             "fits" if trial.fits else "does not fit")
                 return trial
 
+            placed_at_all = r.caching
             if budget <= _HOST_STEP_BYTES:  # every step fits on this host: measure them all
                 exact = search(placed if r.caching else measure, min_size=r.spec.min_batch,
                                max_size=r.spec.max_batch, multiple_of=step, capacity_bytes=budget)
@@ -448,7 +484,16 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
                     "a little optimistic)"
                 )
                 if r.caching:
-                    reach += "; the caching allocator's segments are not placed at those sizes"
+                    replayed = _replayed_largest(setup, r, first, last)
+                    if replayed is None:
+                        reach += "; the caching allocator's segments are not placed at those sizes"
+                        placed_at_all = False
+                    else:
+                        largest = min(largest, replayed)
+                        reach += (
+                            "; two small fresh loops' storages, each a line in the size, "
+                            "replayed through the caching allocator's model at those sizes"
+                        )
             fitting = [t for t in trials if t.fits] or trials
             biggest = max(t.size for t in fitting)
             breakdown_at = setup.breakdown(biggest)
@@ -499,7 +544,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
         f"{', '.join(str(t.size) for t in trials)}; {reach}): {why}",
         *setup.notes,
     ]
-    extra = [_placement_note(r)]
+    extra = [_placement_note(r)] if placed_at_all or not r.caching else []
     if r.device_type != "cpu":
         extra.append(
             f"measured with the CPU's kernels: on {r.device_type} some kernels (cuDNN recurrent "
