@@ -719,3 +719,23 @@ def test_inference_through_torchs_fused_transformer_layers_says_the_plan_is_a_lo
     trained = plan_max_batch(layer, torch.randn(1, 16, 32), torch.optim.AdamW, capacity="8MiB",
                              device="cpu")
     assert not any("fused fast path" in note for note in trained.notes)
+
+
+def test_a_step_planned_on_real_copies_starts_from_the_weights_as_copied() -> None:
+    """A mixture of experts (planned from real steps: torch.where has no meta answer) sends
+    each expert the rows its router picks, and each planned loop trains the router: every
+    loop starts from the weights as copied, so the same size places the same storages twice
+    (before, the second loop ran on trained weights, and a plan at 24 MiB came out 13% low)."""
+    from autobatch._memory._backends import caching_allocator
+    from autobatch._sizing._planner._meta import _MetaSetup
+    from autobatch.testing.models import mixture_of_experts
+
+    torch.manual_seed(0)
+    model = mixture_of_experts()
+    sample = (torch.randn(8, 128), torch.randint(0, 10, (8,)))
+    setup = _MetaSetup(model, sample, torch.optim.AdamW, loss_fn=CE, step_fn=None, train=True,
+                       device_type="cpu", block_bytes=512, real=True)
+    first = setup.fresh_loop(300, caching_allocator(2**30))
+    second = setup.fresh_loop(300, caching_allocator(2**30))
+    assert first[0].fits
+    assert first[1] == second[1]  # the same storages, sizes and order

@@ -371,6 +371,11 @@ class _MetaSetup:
         self.step = TrainingStep(
             self.model, self.optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train
         )
+        # real copies: their values as copied, put back before each step planned (where the
+        # weights decide shapes, a router's choice of experts, a step on weights the step
+        # before trained would plan another step)
+        self.values = [(t, t.detach().clone()) for t in self.model.state_dict().values()
+                       if real and isinstance(t, torch.Tensor)]
         self.counted = _PlanCount(block_bytes, frozenset({"cpu"} if real else {"meta", device_type}))
         self.mode = _PlanMode(self.counted, real=real)
         self.attention: contextlib.AbstractContextManager[Any] = (  # (on meta tensors only)
@@ -453,8 +458,15 @@ class _MetaSetup:
             "instead"
         )
 
+    def _rewind(self) -> None:
+        """The real copies' values as they were copied (see ``values``)."""
+        with torch.no_grad():
+            for tensor, value in self.values:
+                tensor.copy_(value)
+
     def _run(self, batch: Batch, n: int, *, record: bool = False) -> int:
         counted = self.counted
+        self._rewind()
         with self._running(f"at batch size {n}"):
             counted.reset_peak()
             counted.record_peak = record
@@ -525,6 +537,7 @@ class _MetaSetup:
         self.mode.counted = count
         if self.optimizer is not None:
             self.optimizer.state.clear()
+        self._rewind()
         held: Batch | None = None
         try:
             with self._running(f"at batch size {n}"):

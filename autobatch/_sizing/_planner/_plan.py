@@ -247,22 +247,13 @@ def _plan_on_meta(r: _Request) -> Plan:
             block_bytes=r.block_bytes,
         )
         peaks: dict[int, int] = {}  # planned peaks (under caching: of the sizes that fit)
-        placed: list[StorageTrial] = []  # the fitting loops' storages, for the replay
+        place = _Placing(setup, r)
 
         def probe(n: int) -> Trial:
             if r.caching:
-                trial, events = setup.fresh_loop(n, r.allocator())
-                if trial.fits and trial.reserved_bytes is not None and trial.peak_bytes:
+                trial = place(n)
+                if trial.fits and trial.reserved_bytes is not None:
                     peaks[n] = trial.reserved_bytes
-                    record = StorageTrial(n, 0, events, trial.peak_bytes)
-                    curve = next(
-                        (c for other in reversed(placed)
-                         if (c := _replayed_curve(other, record, r.allocator())) is not None),
-                        None,
-                    )
-                    placed.append(record)
-                    if curve is not None:
-                        trial = dataclasses.replace(trial, curve=curve)
             else:
                 peaks[n] = peak = setup.peak(n)
                 trial = Trial(n, peak <= budget, peak)
@@ -402,6 +393,30 @@ def _extrapolated(
     return largest, line
 
 
+class _Placing:
+    """A probe: a user's fresh loop at a size placed on the caching allocator's model (see
+    :meth:`_MetaSetup.fresh_loop`), and where two loops that fit line up, the replay of their
+    storages at every size as the trial's curve (islands above a failing size found, the
+    size above the largest known to fail without a loop of its own)."""
+
+    def __init__(self, setup: _MetaSetup, r: _Request) -> None:
+        self.setup, self.r = setup, r
+        self.placed: list[StorageTrial] = []  # the fitting loops' storages
+
+    def __call__(self, n: int) -> Trial:
+        trial, events = self.setup.fresh_loop(n, self.r.allocator())
+        if not trial.fits or not trial.peak_bytes:
+            return trial
+        record = StorageTrial(n, 0, events, trial.peak_bytes)
+        curve = next(
+            (c for other in reversed(self.placed)
+             if (c := _replayed_curve(other, record, self.r.allocator())) is not None),
+            None,
+        )
+        self.placed.append(record)
+        return trial if curve is None else dataclasses.replace(trial, curve=curve)
+
+
 def _replayed_largest(setup: _MetaSetup, r: _Request, first: int, last: int | None) -> int | None:
     """The largest size a caching allocator's replay of two small fresh loops' storages
     (real CPU steps, each storage a line in the size) says fits, searched as trials would be;
@@ -461,8 +476,10 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
                 )
                 return trial
 
+            place = _Placing(setup, r)
+
             def placed(n: int) -> Trial:
-                trial, _ = setup.fresh_loop(n, r.allocator())
+                trial = place(n)
                 trials.append(trial)
                 logger.info("placed batch %d on a CPU copy: %s", n,
                             "fits" if trial.fits else "does not fit")
