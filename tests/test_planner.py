@@ -194,8 +194,10 @@ def test_model_built_on_meta_can_be_planned() -> None:
         model = WORKLOADS["transformer"].model()
     real = WORKLOADS["transformer"].model()
     sample = WORKLOADS["transformer"].sample(2)
-    meta_plan = plan_max_batch(model, sample, torch.optim.AdamW, loss_fn=CE, capacity="1GiB")
-    real_plan = plan_max_batch(real, sample, torch.optim.AdamW, loss_fn=CE, capacity="1GiB")
+    meta_plan = plan_max_batch(model, sample, torch.optim.AdamW, loss_fn=CE, capacity="1GiB",
+                               allocator="exact")  # (what is planned is the same either way)
+    real_plan = plan_max_batch(real, sample, torch.optim.AdamW, loss_fn=CE, capacity="1GiB",
+                               allocator="exact")
     assert meta_plan.max_batch_size == real_plan.max_batch_size
     assert any("attention" in note for note in meta_plan.notes)
 
@@ -608,7 +610,7 @@ def test_vit_and_llama_without_a_mask_are_planned_on_meta_exactly(kind: str) -> 
 
 # Capacities where the caching allocator's segments decide the largest batch (the exact
 # accounting's answer is far above it there).
-SEGMENT_CAPACITY = {"mlp": "4MiB", "conv": "32MiB", "transformer": "24MiB"}
+SEGMENT_CAPACITY = {"mlp": "4MiB", "conv": "32MiB"}  # (a transformer's: bench_plan, table 4)
 
 
 @pytest.mark.parametrize("expandable", [False, True], ids=["segments", "expandable"])
@@ -735,7 +737,7 @@ def test_a_step_planned_on_real_copies_starts_from_the_weights_as_copied() -> No
     sample = (torch.randn(8, 128), torch.randint(0, 10, (8,)))
     setup = _MetaSetup(model, sample, torch.optim.AdamW, loss_fn=CE, step_fn=None, train=True,
                        device_type="cpu", block_bytes=512, real=True)
-    first = setup.fresh_loop(300, caching_allocator(2**30))
-    second = setup.fresh_loop(300, caching_allocator(2**30))
+    first = setup.fresh_loop(100, caching_allocator(2**30))
+    second = setup.fresh_loop(100, caching_allocator(2**30))
     assert first[0].fits
     assert first[1] == second[1]  # the same storages, sizes and order
