@@ -29,6 +29,7 @@ from autobatch._search import (
     LinearModel,
     SearchOutcome,
     Trial,
+    Verdicts,
     extrapolate,
     fit_linear,
     recommend,
@@ -421,14 +422,10 @@ def _replayed_largest(setup: _MetaSetup, r: _Request, first: int, last: int | No
     """The largest size a caching allocator's replay of two small fresh loops' storages
     (real CPU steps, each storage a line in the size) says fits, searched as trials would be;
     ``None`` where the loops do not line up."""
-    placed = []
-    for n in (max(first, 2), max(first, 2) * 4):
-        trial, events = setup.fresh_loop(n, r.allocator())
-        if not trial.fits or not trial.peak_bytes:
-            return None
-        placed.append(StorageTrial(n, 0, events, trial.peak_bytes))
-    curve = _replayed_curve(placed[0], placed[1], r.allocator())
-    if curve is None:
+    place = _Placing(setup, r)
+    small = max(first, 2)
+    curve = [place(n) for n in (small, 4 * small)][-1].curve
+    if not isinstance(curve, Verdicts):
         return None
 
     def replayed(n: int) -> Trial:
@@ -485,7 +482,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
                             "fits" if trial.fits else "does not fit")
                 return trial
 
-            placed_at_all = r.caching
+            placement: str | None = _placement_note(r)
             if budget <= _HOST_STEP_BYTES:  # every step fits on this host: measure them all
                 exact = search(placed if r.caching else measure, min_size=r.spec.min_batch,
                                max_size=r.spec.max_batch, multiple_of=step, capacity_bytes=budget)
@@ -504,7 +501,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
                     replayed = _replayed_largest(setup, r, first, last)
                     if replayed is None:
                         reach += "; the caching allocator's segments are not placed at those sizes"
-                        placed_at_all = False
+                        placement = None
                     else:
                         largest = min(largest, replayed)
                         reach += (
@@ -561,7 +558,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
         f"{', '.join(str(t.size) for t in trials)}; {reach}): {why}",
         *setup.notes,
     ]
-    extra = [_placement_note(r)] if placed_at_all or not r.caching else []
+    extra = [] if placement is None else [placement]
     if r.device_type != "cpu":
         extra.append(
             f"measured with the CPU's kernels: on {r.device_type} some kernels (cuDNN recurrent "
