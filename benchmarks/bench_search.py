@@ -332,11 +332,18 @@ def two_steps_fit(setup: Setup, capacity: int, n: int) -> bool:
 
 def fresh_loop_fits(setup: Setup, capacity: int, n: int) -> bool:
     """The caching allocator's truth: does a user's own plain loop train ``CACHING_STEPS``
-    steps at ``n`` (as ``tests/_models.py::fresh_loop_fits``)? A fresh copy of the model and of
-    its fresh optimizer in a fresh simulator, each step a new batch copied to the device
-    (``.clone()`` of the host batch), ``loss`` held until the next step."""
+    steps at ``n`` (as ``tests/_models.py::fresh_loop_fits``)? See :func:`fresh_loop_reserved`."""
+    return fresh_loop_reserved(setup, capacity, n)[0]
+
+
+def fresh_loop_reserved(setup: Setup, capacity: int, n: int) -> tuple[bool, list[int]]:
+    """A user's own plain loop at ``n``: a fresh copy of the model and of its fresh optimizer
+    in a fresh simulator, each step a new batch copied to the device (``.clone()`` of the host
+    batch), ``loss`` held until the next step. Whether it trains ``CACHING_STEPS`` steps, and
+    the reserved peak after each step that ran."""
     model, optimizer = setup.copy()
     host = setup.host_batch(n)  # the loader's batch, in host memory
+    reserved: list[int] = []
     try:
         with SimulatedGPU(capacity, allocator="caching") as gpu:
             gpu.adopt(model, optimizer)
@@ -346,9 +353,10 @@ def fresh_loop_fits(setup: Setup, capacity: int, n: int) -> bool:
                 loss = F.cross_entropy(model(inputs), labels)
                 loss.backward()
                 optimizer.step()
+                reserved.append(gpu.peak_reserved_bytes)
     except torch.OutOfMemoryError:
-        return False
-    return True
+        return False, reserved
+    return True, reserved
 
 
 class Truth:

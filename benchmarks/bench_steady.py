@@ -19,41 +19,18 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from autobatch._units import format_bytes, parse_bytes
-from autobatch.testing import SimulatedGPU
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_caching  # sibling modules of this script
 import bench_search
 
-STEPS = 5
+STEPS = bench_search.CACHING_STEPS
 CASES = {"mlp": "4MiB", "conv": "32MiB", "transformer": "24MiB", "tiny-mlp": "2MiB",
          "branchy": "6MiB", "bert": "16MiB", "embedding-bag": "64MiB", "lstm": "32MiB"}
 STARTS = {"mlp": 250, "conv": 60, "transformer": 30, "tiny-mlp": 2900, "branchy": 500,
           "bert": 40, "embedding-bag": 32000, "lstm": 70}
-
-
-def reserved_per_step(setup: bench_search.Setup, capacity: int, n: int) -> tuple[bool, list[int]]:
-    """A user's fresh loop at ``n``: whether it trains :data:`STEPS` steps, and the reserved
-    peak after each step that ran."""
-    model, optimizer = setup.copy()
-    host = setup.host_batch(n)
-    reserved: list[int] = []
-    try:
-        with SimulatedGPU(capacity, allocator="caching") as gpu:
-            gpu.adopt(model, optimizer)
-            for _ in range(STEPS):
-                inputs, labels = (t.clone() for t in host)  # .to(device)
-                optimizer.zero_grad()
-                loss = F.cross_entropy(model(inputs), labels)
-                loss.backward()
-                optimizer.step()
-                reserved.append(gpu.peak_reserved_bytes)
-    except torch.OutOfMemoryError:
-        return False, reserved
-    return True, reserved
 
 
 def main() -> int:
@@ -72,7 +49,7 @@ def main() -> int:
                 tried, steady = 0, {2: 0, 3: 0}
                 stride = max(1, largest // 160)
                 for n in range(largest + 1, largest + 1 + max(8, largest // 20), stride):
-                    fits, reserved = reserved_per_step(setup, capacity, n)
+                    fits, reserved = bench_search.fresh_loop_reserved(setup, capacity, n)
                     if fits:
                         continue  # (an island above: not this question)
                     tried += 1
