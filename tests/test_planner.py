@@ -647,17 +647,24 @@ def test_a_plan_on_segments_is_the_largest_size_a_fresh_loop_trains(
 def test_a_plan_from_real_steps_places_them_on_segments_too() -> None:
     """A recurrent model (planned from real CPU steps) under the caching allocator: the steps
     are placed on its segments as on meta, and the answer is the fresh loop's."""
+    _planned_from_steps_as_a_fresh_loop_trains("LSTM", 1, "4MiB")
+
+
+def _sequences(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 8, 8), torch.randint(0, 4, (n,))
+
+
+def _planned_from_steps_as_a_fresh_loop_trains(kind: str, layers: int, capacity: str) -> Plan:
+    """A recurrent model's plan (from real CPU steps): its largest size trains a user's fresh
+    loop under the caching allocator and one more does not."""
     torch.manual_seed(0)
-    model = RecurrentClassifier("LSTM", 1, True, inputs=8, hidden=32, classes=4)
-
-    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(n, 8, 8), torch.randint(0, 4, (n,))
-
-    plan = plan_max_batch(model, sample(2), torch.optim.AdamW, "4MiB", loss_fn=CE,
+    model = RecurrentClassifier(kind, layers, True, inputs=8, hidden=32, classes=4)
+    plan = plan_max_batch(model, _sequences(2), torch.optim.AdamW, capacity, loss_fn=CE,
                           device="cpu", headroom=0)
     assert plan.method == "steps"
-    assert fresh_loop_fits(model, sample, plan.max_batch_size, "4MiB")
-    assert not fresh_loop_fits(model, sample, plan.max_batch_size + 1, "4MiB")
+    assert fresh_loop_fits(model, _sequences, plan.max_batch_size, capacity)
+    assert not fresh_loop_fits(model, _sequences, plan.max_batch_size + 1, capacity)
+    return plan
 
 
 def test_allocator_options_are_checked() -> None:
@@ -686,18 +693,8 @@ def test_a_plan_from_real_steps_beyond_this_host_replays_them_on_segments(
     caching allocator's model instead of extrapolating allocated bytes alone (which
     planned a GRU 14% above what trains): the answer is the fresh loop's."""
     monkeypatch.setattr(autobatch._sizing._planner._plan, "_HOST_STEP_BYTES", 2**20)
-    torch.manual_seed(0)
-    model = RecurrentClassifier("GRU", 2, True, inputs=8, hidden=32, classes=4)
-
-    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(n, 8, 8), torch.randint(0, 4, (n,))
-
-    plan = plan_max_batch(model, sample(2), torch.optim.AdamW, "24MiB", loss_fn=CE,
-                          device="cpu", headroom=0)
-    assert plan.method == "steps"
+    plan = _planned_from_steps_as_a_fresh_loop_trains("GRU", 2, "24MiB")
     assert any("replayed through the caching allocator's model" in n for n in plan.notes)
-    assert fresh_loop_fits(model, sample, plan.max_batch_size, "24MiB")
-    assert not fresh_loop_fits(model, sample, plan.max_batch_size + 1, "24MiB")
 
 
 def test_a_batchnorm_model_where_only_one_row_could_fit_names_min_batch() -> None:
