@@ -29,6 +29,7 @@ from autobatch._memory._blocks import AllocatorOutOfMemory
 from autobatch._search import Trial
 from autobatch._sizing._planner._attention import FusedAttention
 from autobatch._sizing._planner._plans import PlanBreakdown
+from autobatch._sizing._state import SavedState
 from autobatch._sizing._trial import CACHING_STEPS, MAX_STEADY_STEPS
 from autobatch._sizing._workload import (
     Batch,
@@ -374,8 +375,7 @@ class _MetaSetup:
         # real copies: their values as copied, put back before each step planned (where the
         # weights decide shapes, a router's choice of experts, a step on weights the step
         # before trained would plan another step)
-        self.values = [(t, t.detach().clone()) for t in self.model.state_dict().values()
-                       if real and isinstance(t, torch.Tensor)]
+        self.saved = SavedState(self.model) if real else None
         self.counted = _PlanCount(block_bytes, frozenset({"cpu"} if real else {"meta", device_type}))
         self.mode = _PlanMode(self.counted, real=real)
         self.attention: contextlib.AbstractContextManager[Any] = (  # (on meta tensors only)
@@ -459,10 +459,9 @@ class _MetaSetup:
         )
 
     def _rewind(self) -> None:
-        """The real copies' values as they were copied (see ``values``)."""
-        with torch.no_grad():
-            for tensor, value in self.values:
-                tensor.copy_(value)
+        """The real copies' values as they were copied (see ``saved``)."""
+        if self.saved is not None:
+            self.saved.rewind()
 
     def _run(self, batch: Batch, n: int, *, record: bool = False) -> int:
         counted = self.counted
