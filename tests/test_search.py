@@ -20,7 +20,7 @@ import autobatch.search
 from autobatch._search._model import (
     Verdicts,
 )
-from autobatch._search._policies import _replay_contradicted
+from autobatch._search._policies import _highest_verdict, _replay_contradicted
 from autobatch.search import (
     UNBOUNDED_MAX_SIZE,
     Exponential,
@@ -960,3 +960,24 @@ def test_a_replay_drawn_through_storages_that_are_no_line_only_aims() -> None:
     assert trusted_curve(trials, 10**9, tolerance=0.01) is guess
     exact = Verdicts(peaks, ceiling=400, floor=100)
     assert trusted_curve([trials[0], replace(trials[1], curve=exact)], 10**9) is exact
+
+
+def test_an_approximate_replay_aims_at_its_highest_island_however_narrow() -> None:
+    """An approximate replay's fit map alternates size by size (a mixture of experts: the
+    rows each expert gets change with every size), so the largest size it says fits can sit
+    alone between sizes asked on the way down (here 648, between 647 and 650, where the sizes
+    asked are 3 apart): it is found, and tried, rather than the top of the band below it (640)
+    and then the island in a trial more."""
+    fits = {*range(600, 641), 643, 648}
+
+    def peaks(n: int) -> tuple[int, int] | None:
+        return (1000 * n, 1000 * n) if n in fits or n < 600 else None
+
+    guess = Verdicts(peaks, ceiling=696, floor=8, approximate=True)
+    assert _highest_verdict(guess, 72, 659, 1) == 648
+    exact = Verdicts(peaks, ceiling=696, floor=8)
+    assert _highest_verdict(exact, 72, 659, 1) == 640  # (an exact one's islands are bands)
+    trials = [Trial(8, True, 8000), Trial(660, False), Trial(72, True, 72_000, curve=guess)]
+    state = SearchState(trials=tuple(trials), largest_fit=72, smallest_fail=660, min_size=1,
+                        max_size=None, multiple_of=1, capacity_bytes=10**9)
+    assert ModelGuided().next_size(state) == 648

@@ -30,13 +30,18 @@ _CACHING_GUIDED = 3
 #: The most sizes a :class:`Verdicts` curve is asked, from its ceiling down, for the largest
 #: that fits (evenly spread, then each size above the highest that fits up to the next one).
 _MAX_VERDICTS = 256
+#: Above the highest size asked that an ``approximate`` replay says fits, how many grid sizes
+#: are asked one by one: drawn through sizes that depend on the data (the rows a router sends
+#: each expert), its fit map alternates size by size, with islands narrower than the spread.
+_APPROXIMATE_WINDOW = 32
 
 
 def _highest_verdict(curve: Verdicts, low: int, top: int, step: int) -> int | None:
     """The largest grid size in ``(low, top]`` that ``curve`` says fits, islands above a gap
     included: sizes from ``top`` down, at most :data:`_MAX_VERDICTS` of them evenly spread,
     to the highest that fits, then the sizes above it one by one up to the next one asked
-    (an island narrower than that spread, between two sizes asked, can be missed); ``None``
+    (an island narrower than that spread, between two sizes asked, can be missed; an
+    ``approximate`` curve's is looked for :data:`_APPROXIMATE_WINDOW` sizes up); ``None``
     where none asked fits."""
     stride = max(1, -(-(top - low) // step // _MAX_VERDICTS)) * step
     size = top
@@ -44,6 +49,9 @@ def _highest_verdict(curve: Verdicts, low: int, top: int, step: int) -> int | No
         size -= stride
     if size <= low:
         return None
+    if curve.approximate:
+        above = range(size + step, min(top, size + stride + _APPROXIMATE_WINDOW * step) + 1, step)
+        return max((n for n in above if curve.peak_at(n) is not None), default=size)
     while size + step <= min(top, size + stride - step) and curve.peak_at(size + step) is not None:
         size += step
     return size
