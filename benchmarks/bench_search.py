@@ -336,24 +336,30 @@ def fresh_loop_fits(setup: Setup, capacity: int, n: int) -> bool:
     return fresh_loop_reserved(setup, capacity, n)[0]
 
 
-def fresh_loop_reserved(setup: Setup, capacity: int, n: int) -> tuple[bool, list[int]]:
+def fresh_loop_reserved(
+    setup: Setup, capacity: int, n: int, steps: int = CACHING_STEPS,
+    after_step: Callable[[SimulatedGPU], None] | None = None,
+) -> tuple[bool, list[int]]:
     """A user's own plain loop at ``n``: a fresh copy of the model and of its fresh optimizer
     in a fresh simulator, each step a new batch copied to the device (``.clone()`` of the host
-    batch), ``loss`` held until the next step. Whether it trains ``CACHING_STEPS`` steps, and
-    the reserved peak after each step that ran."""
+    batch), ``loss`` held until the next step. Whether it trains ``steps`` steps, and the
+    reserved peak after each step that ran (``after_step`` is called with the simulator
+    after each)."""
     model, optimizer = setup.copy()
     host = setup.host_batch(n)  # the loader's batch, in host memory
     reserved: list[int] = []
     try:
         with SimulatedGPU(capacity, allocator="caching") as gpu:
             gpu.adopt(model, optimizer)
-            for _ in range(CACHING_STEPS):
+            for _ in range(steps):
                 inputs, labels = (t.clone() for t in host)  # .to(device)
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(inputs), labels)
                 loss.backward()
                 optimizer.step()
                 reserved.append(gpu.peak_reserved_bytes)
+                if after_step is not None:
+                    after_step(gpu)
     except torch.OutOfMemoryError:
         return False, reserved
     return True, reserved
