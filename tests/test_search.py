@@ -788,7 +788,9 @@ def test_a_convex_curve_told_by_its_parts_is_solved_in_five_trials(
     steeper operator takes over. Told each operator's peak (rounded as an allocator does), the
     search needs two small trials for the whole curve, one more to make the prediction sharp,
     and the answer and the size above it: five trials and at most three times the answer's
-    samples in all."""
+    samples in all. Where a nearly flat line (a slope under the allocator's 512-byte rounding
+    can only be told over hundreds of rows) meets the capacity too, within a sixteenth of the
+    answer, one trial more."""
     lines, target = curve
 
     def parts(n: int) -> tuple[int, ...]:
@@ -811,7 +813,9 @@ def test_a_convex_curve_told_by_its_parts_is_solved_in_five_trials(
     assert answer is not None
     assert answer >= target
     assert outcome.largest_fit == answer
-    assert len(outcome.trials) <= 5, outcome.sizes
+    tie = any(per_sample < 4096 and fixed + per_sample * (answer + answer // 16) > capacity
+              for fixed, per_sample in lines)
+    assert len(outcome.trials) <= (6 if tie else 5), outcome.sizes
     assert sum(outcome.sizes) <= 3 * answer, outcome.sizes
 
 

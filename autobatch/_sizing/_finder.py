@@ -298,7 +298,9 @@ def _measured_search(
                 "loss (a cross-entropy over each output's last dimension plus a squared error, "
                 "which keeps what the usual per-row losses keep); pass loss_fn= to size your own"
             )
-        # The recommended size is proven by a trial of its own (one more, below the largest).
+        # The recommended size is proven by a trial of its own (one more, below the largest),
+        # which no later size is aimed from: its operators' peaks are not measured.
+        runner.per_operator = False
         recommended = recommend(
             outcome,
             headroom=spec.headroom,
