@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
 from autobatch._errors import AutobatchError
+from autobatch._memory._backends import restore_rng_states, save_rng_states
 from autobatch._oom import MAX_CHAIN_DEPTH
 from autobatch._recovery import _inspect
 from autobatch._recovery._backups import Backups, Slot, _Kept, put_scalars
@@ -400,6 +401,8 @@ class _Attempt:
         unless the step is known to carry gradients across calls)."""
         self.params = params
         self.undo = undo = Backups()
+        # the random streams (a dropout mask drawn before memory ran out is drawn again)
+        undo.entries["rng"] = _Kept(restore_rng_states, save_rng_states())
         grads = [p.grad for p in params]
         for g in grads:  # (a plain loop: the common case has none, on every step)
             if g is not None:
@@ -436,9 +439,11 @@ class _Attempt:
             self.began_with(params)
             return
         self.params = params
-        kept = self.undo.entries["gradients"]  # (a light attempt keeps nothing else)
-        assert isinstance(kept, _Kept)
+        kept, rng = self.undo.entries["gradients"], self.undo.entries["rng"]
+        assert isinstance(kept, _Kept)  # (a light attempt keeps nothing else)
+        assert isinstance(rng, _Kept)
         kept.value = (params, refs)
+        rng.value = save_rng_states()
         self.carried, self.carried_refs = params, refs
         self.versions_carried = list(map(_VERSION, grads))
         self.apart = self.engine.known.drops_first < 3  # (a light attempt's step carries none)
@@ -526,6 +531,13 @@ class _Attempt:
         self.undo.put_back()
         if self.scalars is not None:
             put_scalars(self.engine.scalars, self.scalars)
+
+    def rewind_rng(self) -> None:
+        """The random streams as the attempt began (also where a refusal leaves the rest as it
+        is: a step run again draws what it drew)."""
+        kept = self.undo.entries["rng"]
+        assert isinstance(kept, _Kept)
+        kept.put(kept.value)
 
     def kept(self) -> set[int]:
         """The storages of the state this attempt copied before it ran (put back after it

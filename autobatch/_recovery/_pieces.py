@@ -391,6 +391,8 @@ class _BatchRun:
             if verdict is not None:
                 if seen.carried and whole is not None:  # (no parameter changed: the rest,
                     whole.rollback()                    # a BatchNorm's statistics, goes back)
+                elif whole is not None:
+                    whole.rewind_rng()
                 raise verdict from failure.exc
         except AutobatchError as error:
             applied = error if isinstance(error, _Applied) else _Applied(str(error))
