@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,11 +65,21 @@ def _token_mean(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
     return (F.cross_entropy(model(x), y, reduction="none") * mask).sum() / mask.sum()
 
 
+def _target_broadcast(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The classic shape mistake: an output of (N,) against a target of (N, 1) broadcasts to
+    N x N, every row against every other (torch warns, and trains on it)."""
+    x, y = batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return F.mse_loss(model(x)[:, 0], y.to(x.dtype)[:, None])
+
+
 COUPLED: dict[str, tuple[Loss, str, str]] = {  # loss, the operator named, the fix named
     "InfoNCE": (_info_nce, "aten.mm", "embed_in_pieces"),
     "max over rows": (_max_over_rows, "aten.max", "mean or sum over the rows"),
     "batch-hard triplet": (_batch_hard_triplet, "aten.cdist_forward", "embed_in_pieces"),
     "token mean without items=": (_token_mean, "aten.div", "items="),
+    "a target broadcast against the input": (_target_broadcast, "aten.mse_loss", "same shape"),
 }
 
 

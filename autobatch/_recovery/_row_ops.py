@@ -22,7 +22,7 @@ PACKED = -4  #: a packed sequence's data and what an RNN makes of it (``order``:
 @dataclass(frozen=True)
 class Taint:
     """Where the rows were first mixed: ``what`` the operator did, ``where`` the user's line,
-    and the ``kind`` of mixing (``"pairs"``, ``"mixes"`` or ``"count"``)."""
+    and the ``kind`` of mixing (``"pairs"``, ``"broadcast"``, ``"mixes"`` or ``"count"``)."""
 
     what: str
     where: str
@@ -496,46 +496,6 @@ def layer_norm(op: Op) -> None:
     op.put(op.outputs()[0], tag.dim)
 
 
-def nll(op: Op) -> None:
-    """Cross-entropy's last part: a mean over targets counts the targets it does not ignore
-    (and weighs them by class); exact when every row holds the same count."""
-    inp, target = op.args[0], op.args[1]
-    ti, tt = op.tag_of(inp), op.tag_of(target)
-    if (ti is not None and ti.dim != 0) or (tt is not None and tt.dim != 0):
-        if ti is not None and ti.dim == 1 and inp.dim() == 2:
-            op.put_all(FREE, op.taint("a cross-entropy over the batch's rows as classes", "pairs"))
-        else:
-            op.put_all(FREE, op.taint("a cross-entropy whose rows are not the batch's"))
-        return
-    if ti is not None and tt is not None and not op.orders_agree():
-        op.put_all(FREE, op.paired())
-        return
-    reduced = op.arg("reduction", 1)
-    outs = op.outputs()
-    if reduced == 0:
-        op.put(outs[0], 0)
-    elif reduced == 2 or op.watch.items:
-        op.put(outs[0], AGG)
-    elif (count := _even(target, op.arg("weight"), op.arg("ignore_index", -100),
-                         op.watch.rows)) is not None:
-        op.watch.even_used = True  # (the count is the batch's content: every piece checked)
-        op.watch.counts.append(count)
-        if op.arg("weight") is None and _batch_own(target, op.watch.storages):
-            op.watch.ignored.add(int(op.arg("ignore_index", -100)))
-        else:  # (class weights, or targets the step made: labels masked from a mask, say)
-            op.watch.masked = True
-        op.put(outs[0], AGG)
-    else:
-        op.put(outs[0], FREE, op.taint(
-            "a mean over the targets it does not ignore (ignore_index or class weights), whose "
-            "count differs from row to row", "count"))
-
-
-def _batch_own(t: torch.Tensor, storages: set[int]) -> bool:
-    """Whether ``t`` is one of the micro-batch's own tensors, or a view or copy of one."""
-    return t.layout is torch.strided and t.untyped_storage().data_ptr() in storages
-
-
 def _even_rows(t: torch.Tensor, tag: Tag, rows: int) -> float | None:
     """What every row adds to a sum of ``t`` (a mask or a count, no gradient), where each
     adds the same; else ``None``."""
@@ -547,35 +507,6 @@ def _even_rows(t: torch.Tensor, tag: Tag, rows: int) -> float | None:
         blocks = t.movedim(tag.dim, 0).reshape(outer, rows, tag.inner, -1).double()
         per_row = blocks.sum((0, 2, 3))
         return float(per_row[0]) if bool((per_row == per_row[0]).all()) else None
-
-
-def _even(target: torch.Tensor, weight: torch.Tensor | None, ignore: int,
-          rows: int) -> float | None:
-    """What every row of the batch counts of its targets (weighted by class), where each
-    counts the same; else ``None``."""
-    if target.numel() == 0:
-        return 0.0
-    if target.numel() % rows:
-        return None
-    with engine_work(), torch.no_grad():
-        counted = (target != ignore).double()
-        if weight is not None:
-            counted = counted * weight[target.clamp(0, weight.numel() - 1)].double()
-        per_row = counted.reshape(rows, -1).sum(1)
-        return float(per_row[0]) if bool((per_row == per_row[0]).all()) else None
-
-
-def reduced_loss(op: Op) -> None:
-    """A loss operator with ``reduction=``: elementwise, then a mean or sum over everything."""
-    if op.arg("reduction", 1) == 0:
-        pointwise(op)
-        return
-    rows = op.rows()
-    if rows and op.aggregates():
-        op.put_all(FREE, op.mixed())
-        return
-    op.put_all(AGG if rows else FREE,
-               None if rows else op.taint(f"{op.label} of a sum over the batch's rows"))
 
 
 def embedding(op: Op) -> None:

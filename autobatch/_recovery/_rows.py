@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autobatch._recovery._row_losses import nll, reduced_loss
 from autobatch._recovery._row_ops import (
     BATCH_NORMS,
     LINEAR,
@@ -50,13 +51,11 @@ from autobatch._recovery._row_ops import (
     item,
     layer_norm,
     matmul,
-    nll,
     packed,
     pairwise,
     pdist,
     pointwise,
     positions,
-    reduced_loss,
     reduction,
     single,
     within_packed,
@@ -85,6 +84,10 @@ _FIXES = {
              "needs the whole batch's embeddings can use autobatch.embed_in_pieces; otherwise "
              "use a batch size that fits, or policy='shrink' (which changes the math on "
              "purpose)",
+    "broadcast": "where every row was not meant to meet every other (a shape mistake, "
+                 "nearly always), give the input and the target the same shape (squeeze or "
+                 "unsqueeze one: the unguarded step trains on that N x N loss too); where it "
+                 "was, write the step as an encoder over rows and use autobatch.embed_in_pieces",
     "count": "declare the count, e.g. retry_on_oom(items=lambda batch: "
              "(batch['labels'] != -100).sum()), and autobatch weights each micro-batch by its "
              "items",
