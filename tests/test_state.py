@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+
+import pytest
 import torch
 from torch import nn
 
@@ -114,3 +118,93 @@ def test_gradients_that_only_share_a_buffer_among_themselves_free_it_and_share_i
     assert all(p.grad is g for p, g in zip(params, grads, strict=True))
     assert len({g.untyped_storage().data_ptr() for g in grads}) == 1  # one buffer again
     assert all(torch.equal(g, v) for g, v in zip(grads, values, strict=True))
+
+
+class _Trainer:
+    """A trainer-style step: the optimizer and its scheduler on ``self``."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.sched = torch.optim.lr_scheduler.OneCycleLR(self.opt, max_lr=1e-2, total_steps=1000)
+        self.held = {"sched": self.sched}
+
+    def step(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        self.opt.step()
+        self.sched.step()
+        return loss
+
+
+def _stepped(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+             opt: torch.optim.Optimizer, held: dict[str, object]) -> torch.Tensor:
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    opt.step()
+    held["sched"].step()  # type: ignore[attr-defined]
+    return loss
+
+
+@pytest.mark.parametrize("reached", ["a bound method", "functools.partial, in a dict"])
+@pytest.mark.parametrize("passed", [True, False])
+def test_an_optimizer_and_scheduler_the_step_reaches_through_self_or_partial_are_put_back(
+    reached: str, passed: bool
+) -> None:
+    """Not only a closure's or a module's globals: a trainer's ``self.opt`` and
+    ``self.sched``, and a scheduler in a dict passed through ``functools.partial``, are
+    stepped by every trial and put back (the scheduler's last_epoch went 0 -> 20, and the
+    user's next learning rate with it)."""
+    trainer = _Trainer()
+    step_fn = trainer.step if reached == "a bound method" else functools.partial(
+        _stepped, opt=trainer.opt, held=trainer.held)
+    scheduler = copy.deepcopy(trainer.sched.state_dict())
+    groups = copy.deepcopy(trainer.opt.state_dict()["param_groups"])
+    sample = (torch.randn(4, 64), torch.randint(0, 10, (4,)))
+    with SimulatedGPU("16MiB", adopt=[trainer.model, trainer.opt]):
+        autobatch.search_batch_size(
+            trainer.model, sample, trainer.opt if passed else None, step_fn=step_fn)
+    assert trainer.sched.state_dict() == scheduler
+    assert trainer.opt.state_dict()["param_groups"] == groups
+    assert not trainer.opt.state
+
+
+class _Stateful(nn.Module):
+    """Truncated back-propagation through time: the last hidden state kept on ``self``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(32, 64, batch_first=True)
+        self.head = nn.Linear(64, 10)
+        self.hidden: torch.Tensor | None = None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, h = self.rnn(x, self.hidden)
+        self.hidden = h.detach()
+        self.calls += 1
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("allocator", ["caching", "exact"])
+def test_a_hidden_state_kept_on_the_module_is_put_back_before_every_trial_and_after(
+    allocator: str,
+) -> None:
+    """A trial left ``self.hidden`` at its own size: the next trial, at another size, raised
+    torch's shape error, and the user's next step did too."""
+    torch.manual_seed(0)
+    model = _Stateful()
+    opt = torch.optim.Adam(model.parameters())
+    sample = (torch.randn(4, 20, 32), torch.randint(0, 10, (4,)))
+    with SimulatedGPU("32MiB", allocator=allocator) as gpu:
+        gpu.adopt(model, opt)
+        before = gpu.allocated_bytes
+        result = autobatch.search_batch_size(model, sample, opt,
+                                             loss_fn=nn.functional.cross_entropy)
+        assert gpu.allocated_bytes == before
+    assert len(result.trials) >= 3
+    assert model.hidden is None
+    assert model.calls == 0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import random
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,21 +38,58 @@ def state_referenced(*objects: Any) -> list[Any]:
     )
 
 
-def _referenced(kind: Any, objects: tuple[Any, ...]) -> list[Any]:
-    found: dict[int, Any] = {}
-    for obj in objects:
-        if isinstance(obj, kind):
-            found[id(obj)] = obj
-            continue
-        if not callable(obj) or isinstance(obj, torch.nn.Module):
-            continue
+#: How far :func:`_referenced` follows references from the objects it is given, and the most
+#: values it looks at (a trainer's attributes, their dicts and lists, not a dataset's items).
+_DEPTH, _MOST_VALUES, _MOST_ITEMS = 3, 4096, 256
+
+
+def _references(value: Any) -> list[Any]:
+    """What ``value`` refers to that may hold a step's state: a function's closure variables
+    and globals, a bound method's ``self``, a ``functools.partial``'s function and
+    arguments, the items of a small dict, list or tuple, and an object's attributes."""
+    if isinstance(value, functools.partial):
+        return [value.func, *value.args, *value.keywords.values()]
+    if inspect.ismethod(value):
+        return [value.__func__, value.__self__]
+    if inspect.isfunction(value):
         try:
-            names = inspect.getclosurevars(inspect.unwrap(obj))
+            names = inspect.getclosurevars(inspect.unwrap(value))
         except (TypeError, ValueError):
-            continue
-        for value in (*names.nonlocals.values(), *names.globals.values()):
+            return []
+        return [*names.nonlocals.values(), *names.globals.values()]
+    if isinstance(value, dict):
+        return list(value.values()) if len(value) <= _MOST_ITEMS else []
+    if isinstance(value, (list, tuple)):
+        return list(value) if len(value) <= _MOST_ITEMS else []
+    if isinstance(value, (type, types.ModuleType, torch.Tensor, torch.nn.Module)) or not hasattr(
+        value, "__dict__"
+    ):
+        return []
+    try:
+        return list(vars(value).values())
+    except TypeError:
+        return []
+
+
+def _referenced(kind: Any, objects: tuple[Any, ...]) -> list[Any]:
+    """The objects of ``kind`` among ``objects`` and what they refer to (see
+    :func:`_references`), :data:`_DEPTH` references deep: a step function's closure and
+    globals, a trainer's ``self.optimizer``, a scheduler in a dict or passed through
+    ``functools.partial``."""
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    level = [obj for obj in objects if obj is not None]
+    for _ in range(_DEPTH + 1):
+        following: list[Any] = []
+        for value in level:
+            if id(value) in seen or len(seen) >= _MOST_VALUES:
+                continue
+            seen.add(id(value))
             if isinstance(value, kind):
                 found[id(value)] = value
+            elif not isinstance(value, torch.nn.Module):  # (a module's own: saved with it)
+                following += _references(value)
+        level = following
     return list(found.values())
 
 
@@ -209,6 +248,53 @@ class _ModuleState:
     )
     flags: list[tuple[torch.Tensor, bool]] = field(default_factory=list)
     training: list[tuple[torch.nn.Module, bool]] = field(default_factory=list)
+    attributes: list[tuple[torch.nn.Module, _Attributes]] = field(default_factory=list)
+
+
+#: A module's own attributes as saved: the names it had, and each data attribute's value
+#: with a copy (see :func:`_save_attributes`).
+_Attributes = tuple[set[str], dict[str, tuple[Any, Any]]]
+
+#: What every module keeps in its ``__dict__`` (parameters, buffers, submodules, hooks, the
+#: ``training`` flag): saved by their own means.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def _save_attributes(module: torch.nn.Module) -> _Attributes:
+    """A module's own data attributes beside its parameters and buffers (a recurrent model's
+    last hidden state kept as ``self.hidden``, a call count, a dict of cached tensors): a
+    trial's forward may set them, and the next trial, or the user's next step, would read
+    them. Tensors are copied to host memory, dicts and lists shallowly."""
+    kept: dict[str, tuple[Any, Any]] = {}
+    for key, value in vars(module).items():
+        if key in _MODULE_INTERNALS:
+            continue
+        if isinstance(value, torch.Tensor):
+            kept[key] = (value, _host_copy(value))
+        elif isinstance(value, (int, float, bool, str, type(None))):
+            kept[key] = (value, value)
+        elif isinstance(value, (dict, list)):
+            kept[key] = (value, copy.copy(value))
+    return set(vars(module)), kept
+
+
+def _put_attributes(module: torch.nn.Module, saved: _Attributes) -> None:
+    """Put back what :func:`_save_attributes` saved; a tensor (or a dict or list) a trial
+    set on a name the module did not have is let go."""
+    names, kept = saved
+    state = vars(module)
+    for key in [k for k, v in state.items() if k not in names
+                and isinstance(v, (torch.Tensor, dict, list))]:
+        del state[key]
+    for key, (original, copied) in kept.items():
+        if isinstance(original, torch.Tensor):
+            _put_back(original, copied)
+        elif isinstance(original, dict):
+            original.clear()
+            original.update(copied)
+        elif isinstance(original, list):
+            original[:] = copied
+        state[key] = original
 
 
 class SavedState:
@@ -245,6 +331,7 @@ class SavedState:
                     continue
                 seen.add(id(module))
                 self.module.training.append((module, module.training))
+                self.module.attributes.append((module, _save_attributes(module)))
                 for name, buf in module._buffers.items():
                     self.module.buffers.append(
                         (module, name, buf, None if buf is None else _host_copy(buf))
@@ -321,6 +408,7 @@ class SavedState:
             module._buffers[name] = original
         for param, saved in self.module.tensors:
             _put_back(param, saved)
+        self.put_back_attributes()
         for optimizer, entries in zip(self.optimizers, self.optimizer_states, strict=True):
             self._restore_optimizer(optimizer, entries)
         restore_rng_states(self.rng)
@@ -328,6 +416,12 @@ class SavedState:
         numpy = sys.modules.get("numpy")
         if numpy is not None and self.numpy_rng is not None:
             numpy.random.set_state(self.numpy_rng)
+
+    def put_back_attributes(self) -> None:
+        """The modules' own data attributes as saved (see :func:`_save_attributes`): before
+        every trial, whose step must not read a hidden state another size left."""
+        for module, attributes in self.module.attributes:
+            _put_attributes(module, attributes)
 
     @staticmethod
     def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

@@ -66,6 +66,8 @@ class TrialSetup:
         """Set every gradient to None, and let the last loss go: after a failed trial, and
         between trials."""
         self.step.forget()
+        if self.saved is not None:  # (a hidden state a trial kept on a module, say)
+            self.saved.put_back_attributes()
         self.model.zero_grad(set_to_none=True)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
