@@ -649,3 +649,52 @@ def test_damaged_stored_results_warn_and_miss_never_crash_or_return(
         got, hit = cached_search(ResultCache(tmp_path), lambda: KEY, lambda: searched)
     assert hit is None
     assert got is searched
+
+
+_COPIES = [1]  # a global the step reads: how many copies of each row it trains on
+
+
+def _step_reading_a_global(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    loss = nn.functional.cross_entropy(model(x.repeat(_COPIES[0], 1)), y.repeat(_COPIES[0]))
+    loss.backward()
+    return loss
+
+
+class _Copies:
+    def __init__(self, copies: int) -> None:
+        self.copies = copies
+
+    def step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(model(x.repeat(self.copies, 1)), y.repeat(self.copies))
+        loss.backward()
+        return loss
+
+
+@pytest.mark.parametrize("reads", ["a global", "an attribute of self"])
+def test_a_hit_whose_largest_size_no_longer_trains_is_measured_again(
+    tmp_path: Path, reads: str
+) -> None:
+    """What the key cannot see (a global the step reads, an attribute of a bound method's
+    ``self``) changed the step's memory fourfold: the hit's largest size is tried first, runs
+    out of memory, and the search runs again (it returned a size that does not train)."""
+    sample = (torch.randn(4, 200), torch.randint(0, 10, (4,)))
+    found = []
+    for copies in (1, 4):
+        _COPIES[0] = copies
+        step = _step_reading_a_global if reads == "a global" else _Copies(copies).step
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(200, 600), nn.GELU(), nn.Linear(600, 10))
+        with SimulatedGPU("48MiB", adopt=[model]):
+            cached = search_batch_size(model, sample, None, step_fn=step, cache=tmp_path)
+            fresh = search_batch_size(model, sample, None, step_fn=step)
+        assert not any("from the cache" in note for note in cached.notes)
+        assert cached.max_batch_size == fresh.max_batch_size
+        found.append(cached.max_batch_size)
+    assert found[0] > 3 * found[1]
+    with SimulatedGPU("48MiB", adopt=[model]):  # (the same step again: a hit, confirmed)
+        again = search_batch_size(model, sample, None, step_fn=step, cache=tmp_path)
+    assert any("from the cache" in note and "trained in a trial" in note for note in again.notes)
+    assert again.max_batch_size == found[1]
+    _COPIES[0] = 1

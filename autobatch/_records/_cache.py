@@ -42,13 +42,15 @@ import torch
 from torch import nn
 
 from autobatch import _batch
-from autobatch._log import user_stacklevel
+from autobatch._log import get_logger, user_stacklevel
 from autobatch._memory._backends import DeviceMemory, restore_rng_states, save_rng_states
 from autobatch._records._result import LengthTable, result_from_dict, result_to_dict
 from autobatch._validate import is_sample_factory
 
 if TYPE_CHECKING:
     from autobatch._records._result import SearchResult
+
+logger = get_logger("cache")
 
 #: Environment variable naming the cache directory (overrides the XDG default).
 CACHE_ENV = "AUTOBATCH_CACHE_DIR"
@@ -576,12 +578,15 @@ def cached_search(
     store: ResultCache | None,
     key: Callable[[], str],
     run: Callable[[], SearchResult],
+    confirm: Callable[[SearchResult], bool] | None = None,
 ) -> tuple[SearchResult, Path | None]:
     """``(result, file)``: the result stored under ``key()`` and its file when there is a good
     one, else ``run()``'s result (stored) and None. ``key`` is called only when ``store`` is set.
-    A stored entry that does not parse as a result is a miss, with a warning.
+    A stored entry that does not parse as a result is a miss, with a warning; so is one that
+    ``confirm`` (a trial at its largest size, say) says no longer holds: what the key cannot
+    see (a global the step reads) changed.
     """
-    return _cached(store, key, run, result_to_dict, result_from_dict)
+    return _cached(store, key, run, result_to_dict, result_from_dict, confirm)
 
 
 def cached_table(
@@ -602,6 +607,7 @@ def _cached(
     run: Callable[[], _Record],
     encode: Callable[[_Record], dict[str, Any]],
     decode: Callable[[Mapping[str, Any]], _Record],
+    confirm: Callable[[_Record], bool] | None = None,
 ) -> tuple[_Record, Path | None]:
     result: _Record
     if store is None:
@@ -627,8 +633,13 @@ def _cached(
                 f"autobatch cache: ignoring {file} ({error}); measuring again", stacklevel=2
             )
         else:
-            note = f"from the cache ({file}); cache=False measures again"
-            return replace(result, notes=(*result.notes, note)), file
+            if confirm is None or confirm(result):
+                note = f"from the cache ({file}); cache=False measures again"
+                if confirm is not None:
+                    note += " (its largest size trained in a trial just now)"
+                return replace(result, notes=(*result.notes, note)), file
+            logger.warning("the cached answer in %s ran out of memory in a trial at its largest "
+                           "size: measuring again", file)
     result = run()
     store.put(name, encode(result))
     return result, None

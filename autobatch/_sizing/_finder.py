@@ -96,8 +96,9 @@ def search_batch_size(
     ``on_trial`` is called with each :class:`~autobatch.search.Trial` as it ends (this rank's
     own verdict, before the ranks agree); ``progress=True`` shows each trial as it ends (a
     ``tqdm`` bar on a terminal when ``tqdm`` is installed, plain lines on stderr otherwise),
-    unless logging shows them already (``autobatch.trial`` at INFO). A cached answer runs no
-    trial.
+    unless logging shows them already (``autobatch.trial`` at INFO). A cached answer runs one
+    trial, at its largest size, before it is returned (the key cannot see a global or a
+    ``self`` attribute the step reads): where that runs out of memory, the search runs again.
 
     Args:
         model: The module to train, already on its device.
@@ -157,10 +158,23 @@ def search_batch_size(
                 plan=plan, sync_ranks=sync_ranks, on_trial=each_trial,
             )
 
+        def confirmed(hit: SearchResult) -> bool:
+            """Whether a cached answer's largest size trains now, in one trial (the key
+            cannot see everything that sets a step's memory: a global it reads, say)."""
+            size = hit.max_batch_size
+            once = dataclasses.replace(spec, min_batch=size, max_batch=size, headroom=0.0)
+            try:
+                _measured_search(model, sample, optimizer, target, memory, once, start=None,
+                                 prior=None, plan=False, sync_ranks=sync_ranks,
+                                 on_trial=each_trial)
+            except BatchSizeError:
+                return False
+            return True
+
         if store is None or (sync_ranks and _distributed.active()):
             return measured()
         key = lambda: search_key(model, sample, optimizer, memory, **spec.options())  # noqa: E731
-        return cached_search(store, key, measured)[0]
+        return cached_search(store, key, measured, confirmed)[0]
 
 
 def _measured_search(
