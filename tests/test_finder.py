@@ -631,9 +631,11 @@ def test_library_cache_reuses_a_result_for_the_same_setup(tmp_path: Any) -> None
         first = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, cache=tmp_path)
         ran = len(calls)
         again = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, cache=tmp_path)
-        assert len(calls) == ran  # no trial ran: the stored result was used
+        # the stored result was used, after one trial at its largest size (five steps)
+        assert calls[ran:] == [first.max_batch_size] * 5
+        ran = len(calls)
         other = search_batch_size(model, sample, torch.optim.Adam, loss_fn=CE, cache=tmp_path)
-        assert len(calls) > ran  # another optimizer is another setup
+        assert len(calls) > ran + 5  # another optimizer is another setup
     assert again.batch_size == first.batch_size
     assert again.trials == first.trials
     assert any("from the cache" in note for note in again.notes)

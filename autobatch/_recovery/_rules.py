@@ -193,8 +193,8 @@ REFUSED: tuple[str, ...] = (
     "is a micro-batch's step, a warning names the optimizer instead)",
     "a loss that mixes the batch's rows, found by following the rows through every operator "
     "of a micro-batch's forward: a product or distance that pairs rows (InfoNCE and CLIP's "
-    "`za @ zb.T`, `torch.cdist`, batch-hard triplet mining, shuffled or rolled negatives), a "
-    "max, min, sort, top-k, softmax, cumulative sum or normalisation over the rows, a sum over "
+    "`za @ zb.T`, `torch.cdist`, batch-hard triplet mining, shuffled or rolled negatives, an "
+    "output of `(N,)` against a target of `(N, 1)` that broadcasts to N × N), a max, min, sort, top-k, softmax, cumulative sum or normalisation over the rows, a sum over "
     "the rows used non-linearly or with the rows themselves (`x - x.mean(0)`), part of the "
     "rows (a slice, the first row as anchor), and a mean whose count depends on the batch's "
     "content (`l.sum() / mask.sum()`, `ignore_index` or class weights that leave rows with "
