@@ -678,7 +678,7 @@ def test_batchnorm_warning_once_pointing_at_the_caller() -> None:
         if len(x) > 4:
             raise _oom()
         opt.zero_grad()
-        model(x).sum().backward()
+        model(x).mean().backward()
         opt.step()
 
     with warnings.catch_warnings(record=True) as caught:

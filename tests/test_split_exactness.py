@@ -482,17 +482,17 @@ def test_check_split_reports_nothing_on_an_exact_step_and_puts_everything_back()
 
 
 def test_check_split_reports_a_step_that_is_not_exact() -> None:
-    """Told the loss is a sum when it is a mean, the micro-batches are added unweighted: every
-    schedule reports the parameters and the optimizer state that differ."""
+    """A mean scaled by the rows counted in Python (a number the rows cannot be followed
+    into): every schedule reports the parameters and the optimizer state that differ."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(batch: Any) -> None:
         opt.zero_grad()
-        _loss(model, batch).backward()
+        (_loss(model, batch) * len(batch[0])).backward()
         opt.step()
 
-    report = check_split(step, _data(), optimizer=opt, model=model, reduction="sum")
+    report = check_split(step, _data(), optimizer=opt, model=model)
     assert not report
     assert report.refusal is None
     assert any("parameter model.0.weight" in d for d in report.differences)
@@ -543,3 +543,36 @@ def test_check_split_finds_case_12_a_python_counter() -> None:
     report = check_split(step, _data(), optimizer=opt, model=model, objects=[calls])
     assert not report
     assert all(d.startswith("[") and "objects[0]['n']" in d for d in report.differences)
+
+
+@pytest.mark.parametrize(
+    ("loss", "reduction", "named"),
+    [
+        ("sum", "mean", "a sum over the batch's rows"),
+        ("sum / 16", "mean", "a sum over the batch's rows"),
+        ("mean", "sum", "a mean over the batch's rows"),
+        ("sum + penalty", "sum", "a term without rows"),
+    ],
+)
+def test_a_loss_of_another_kind_than_the_reduction_weighs_is_refused(
+    loss: str, reduction: str, named: str
+) -> None:
+    """A sum over the rows whose micro-batches are weighed by their share of them (the
+    default, a mean's), a mean added whole (``reduction='sum'``), and a penalty on the
+    weights added to a sum (counted once per micro-batch): each trained silently on a wrong
+    gradient (off by the number of micro-batches), and is refused now, the state unchanged."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        x, y = batch
+        per_row = nn.functional.cross_entropy(model(x), y, reduction="none")
+        value = {
+            "sum": per_row.sum(), "sum / 16": per_row.sum() / 16, "mean": per_row.mean(),
+            "sum + penalty": per_row.sum() + sum(p.pow(2).sum() for p in model.parameters()),
+        }[loss]
+        value.backward()
+        opt.step()
+
+    _refused(check_split(step, _data(), optimizer=opt, model=model, reduction=reduction), named)

@@ -238,7 +238,8 @@ class _BatchRun:
         engine, coord, session = self.engine, self.coord, self.session
         counted = self.counted and session is not None  # (the later pieces' counts, checked)
         records = early or self.learning
-        rows = RowWatch(tensors(piece), n, items=engine.options.items is not None) if (
+        rows = RowWatch(tensors(piece), n, items=engine.options.items is not None,
+                        reduction=engine.options.reduction) if (
             early or counted) else None
         if rows is not None:
             rows.expected = self.counts

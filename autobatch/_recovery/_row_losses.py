@@ -28,7 +28,7 @@ def nll(op: Op) -> None:
     if reduced == 0:
         op.put(outs[0], 0)
     elif reduced == 2 or op.watch.items:
-        op.put(outs[0], AGG)
+        op.put(outs[0], AGG, total=reduced == 2)
     elif (count := _even(target, op.arg("weight"), op.arg("ignore_index", -100),
                          op.watch.rows)) is not None:
         op.watch.even_used = True  # (the count is the batch's content: every piece checked)
@@ -37,7 +37,7 @@ def nll(op: Op) -> None:
             op.watch.ignored.add(int(op.arg("ignore_index", -100)))
         else:  # (class weights, or targets the step made: labels masked from a mask, say)
             op.watch.masked = True
-        op.put(outs[0], AGG)
+        op.put(outs[0], AGG, total=False)
     else:
         op.put(outs[0], FREE, op.taint(
             "a mean over the targets it does not ignore (ignore_index or class weights), whose "
@@ -95,4 +95,5 @@ def reduced_loss(op: Op) -> None:
         op.put_all(FREE, op.paired())
         return
     op.put_all(AGG if rows else FREE,
-               None if rows else op.taint(f"{op.label} of a sum over the batch's rows"))
+               None if rows else op.taint(f"{op.label} of a sum over the batch's rows"),
+               total=op.arg("reduction", 1) == 2)

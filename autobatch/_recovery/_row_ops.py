@@ -45,6 +45,11 @@ class Tag:
     #: an aggregate that counts the same for every row (``mask.sum()`` with no row masked
     #: more than another): how much each row counts (dividing by it is a mean by rows)
     even: float | None = None
+    #: an aggregate's kind: a sum over the rows (``True``, times a constant: ``l.sum() / 16``),
+    #: a mean over them (``False``), or not known (``None``)
+    total: bool | None = None
+    #: a term without rows that learns (a penalty on the weights) was added to the aggregate
+    constant: bool = False
 
 
 class Watch(Protocol):
@@ -120,7 +125,8 @@ class Op:
 
     def put(self, t: torch.Tensor, dim: int, taint: Taint | None = None,
             segments: tuple[int, ...] | None = None, inner: int | None = None,
-            order: torch.Tensor | bool | None = True, even: float | None = None) -> None:
+            order: torch.Tensor | bool | None = True, even: float | None = None,
+            total: bool | None = None, constant: bool = False) -> None:
         """Tag ``t``; ``inner`` and ``order`` by default those of the first input with rows
         (a dimension carried over whole; ``order=None``: the batch's own order)."""
         taint = taint or self.inherited
@@ -135,13 +141,27 @@ class Op:
         if order is True:
             order = rows[0][1].order if rows and dim >= 0 else None
         kept = order if isinstance(order, torch.Tensor) else None
-        self.watch.tags[t] = Tag(dim, taint, segments, inner, kept, even if dim == AGG else None)
+        aggregate = dim == AGG
+        self.watch.tags[t] = Tag(dim, taint, segments, inner, kept, even if aggregate else None,
+                                 total if aggregate else None, constant and aggregate)
 
     def put_all(self, dim: int, taint: Taint | None = None,
                 segments: tuple[int, ...] | None = None, inner: int | None = None,
-                order: torch.Tensor | bool | None = True, even: float | None = None) -> None:
+                order: torch.Tensor | bool | None = True, even: float | None = None,
+                total: bool | None = None, constant: bool = False) -> None:
         for t in self.outputs():
-            self.put(t, dim, taint, segments, inner, order, even)
+            self.put(t, dim, taint, segments, inner, order, even, total, constant)
+
+    def kind(self) -> tuple[bool | None, bool]:
+        """The kind of the aggregates among the inputs, as a linear operator leaves it
+        (``(total, constant)`` of :class:`Tag`): the one kind they share (else not known), and
+        whether a term without rows that learns joins them (``loss + penalty``)."""
+        kinds = {tag.total for _, tag in self.tagged if tag.dim == AGG}
+        total = kinds.pop() if len(kinds) == 1 else None
+        constant = any(tag.constant for _, tag in self.tagged if tag.dim == AGG) or (
+            self.name in ("add", "sub", "rsub") and any(
+                t.requires_grad for t in flat(self.args, self.kwargs) if self.tag_of(t) is None))
+        return total, constant
 
     def orders_agree(self) -> bool:
         """Whether every input with rows holds them in one order (else a row meets another)."""
@@ -290,21 +310,29 @@ def _aggregate(op: Op) -> None:
     )):
         kind = "count" if op.name != "mul" else "mixes"
         divided = op.tag_of(divisor)
+        mean = False if (numerator := op.tag_of(op.args[0])) is not None and (
+            numerator.total) else None  # (a sum divided by its count)
         if kind == "count" and not watch.items and divided is not None and (
-            divided.even is not None and op.tag_of(op.args[0]) is not None
+            divided.even is not None and numerator is not None
         ):
             watch.even_used = watch.masked = True  # (a mean by rows here: checked again)
             watch.counts.append(divided.even)
-            op.put_all(AGG)
+            op.put_all(AGG, total=mean)
             return
         if kind == "count" and watch.items:
-            op.put_all(AGG)
+            op.put_all(AGG, total=mean)
             return
         op.put_all(FREE, op.taint(
             "a division by a count or sum computed from the batch" if kind == "count"
             else "a product of two sums over the batch's rows", kind))
         return
-    op.put_all(AGG, even=even if op.name not in _PRODUCTS else None)
+    total, constant = op.kind()
+    if total and op.name in ("div", "true_divide") and isinstance(op.args[1], int) and (
+        op.args[1] == watch.rows
+    ):
+        total = False  # (``l.sum() / len(x)``: a mean by the micro-batch's rows)
+    op.put_all(AGG, even=even if op.name not in _PRODUCTS else None, total=total,
+               constant=constant)
 
 
 def reduction(linear: bool) -> Rule:
@@ -314,7 +342,7 @@ def reduction(linear: bool) -> Rule:
         t, tag = op.tagged[0]
         if tag.dim < 0:
             if tag.dim == AGG and linear:
-                op.put_all(AGG)
+                op.put_all(AGG, total=tag.total, constant=tag.constant)
             else:
                 op.put_all(FREE, op.taint(f"{op.label} of a sum or mean over the batch's rows")
                            if tag.dim == AGG else None)
@@ -329,7 +357,8 @@ def reduction(linear: bool) -> Rule:
             reduced = {norm(d, rank) for d in dim}
         if tag.dim in reduced:
             if linear:
-                op.put_all(AGG, even=None if t.requires_grad else _even_rows(t, tag, op.watch.rows))
+                even = None if t.requires_grad else _even_rows(t, tag, op.watch.rows)
+                op.put_all(AGG, even=even, total=op.name != "mean")
             else:
                 op.put_all(FREE, op.taint(f"a {op.label} over the batch's rows"))
             return

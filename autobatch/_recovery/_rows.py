@@ -34,8 +34,10 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autobatch._recovery._inspect import user_frame
 from autobatch._recovery._row_losses import nll, reduced_loss
 from autobatch._recovery._row_ops import (
+    AGG,
     BATCH_NORMS,
     LINEAR,
     ONE,
@@ -103,8 +105,9 @@ _WEIGHED = _Weighed()
 
 @contextmanager
 def counts_weighed() -> Iterator[None]:
-    """Within: the caller weighs each micro-batch's loss by its count of items itself (the
-    ``Trainer`` integration does, for the heads it knows), as ``items=`` declares."""
+    """Within: the caller weighs each micro-batch's loss itself, by its count of items (the
+    ``Trainer`` integration does, for the heads it knows), as ``items=`` declares, or by its
+    share of a mean (so the loss's kind, a sum or a mean, is not judged here)."""
     _WEIGHED.depth += 1
     try:
         yield
@@ -115,9 +118,11 @@ def counts_weighed() -> Iterator[None]:
 class RowWatch:
     """The rows of one micro-batch, followed through its forward (module docs)."""
 
-    def __init__(self, batch: Iterable[torch.Tensor], rows: int, *, items: bool) -> None:
+    def __init__(self, batch: Iterable[torch.Tensor], rows: int, *, items: bool,
+                 reduction: str = "mean") -> None:
         self.rows = rows
         self._items = items  # a data-dependent count was declared (items=)
+        self.reduction = reduction  # how the micro-batches' losses are weighed
         self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.values: set[float] = set()  # .item() of tensors made from the batch
         #: a mean by a count of the batch's content was judged exact (each row counts the
@@ -175,6 +180,8 @@ class RowWatch:
             )
         for root in roots:
             tag = self.tags.get(root)  # type: ignore[no-untyped-call]
+            if tag is not None and tag.taint is None and tag.dim == AGG and not _WEIGHED.depth:
+                self._check_kind(tag, step)  # (unless the caller weighs each micro-batch)
             if tag is not None and tag.taint is not None:
                 taint = tag.taint
                 if taint.kind == "count" and self.items:
@@ -186,6 +193,36 @@ class RowWatch:
                     "micro-batches' gradients would not add up to the batch's",
                     _FIXES[taint.kind],
                 )
+
+
+    def _check_kind(self, tag: Tag, step: str) -> None:
+        """Refuse a loss whose kind (a sum or a mean over the rows) is not the one the
+        micro-batches are weighed for: a mean's by their share of the rows, a sum's by one."""
+        if self.reduction == "mean" and tag.total:
+            raise refusal(
+                step, "computed its loss as a sum over the batch's rows (reduction='sum', or "
+                "a sum divided by a fixed number), while each micro-batch's loss is weighed "
+                "by its share of the rows, as a mean's", user_frame(),
+                "the micro-batches' gradients would add up to the batch's divided by their "
+                "number", "pass reduction='sum' (each micro-batch's loss then counts whole), "
+                "or make the loss a mean over the rows",
+            )
+        if self.reduction == "sum" and tag.total is False:
+            raise refusal(
+                step, "computed its loss as a mean over the batch's rows, while "
+                "reduction='sum' adds the micro-batches' losses whole", user_frame(),
+                "the micro-batches' gradients would add up to the batch's times their number",
+                "drop reduction='sum' (the default weighs each micro-batch by its share)",
+            )
+        if self.reduction == "sum" and tag.constant:
+            raise refusal(
+                step, "added a term without rows that learns (a penalty on the weights) to a "
+                "sum over the batch's rows", user_frame(),
+                "with reduction='sum' each micro-batch's loss counts whole, so that term "
+                "would count once per micro-batch", "divide the term by the batch's number of "
+                "micro-batches yourself, or make the loss a mean over the rows and drop "
+                "reduction='sum'",
+            )
 
 
 # The operators' rules ----------------------------------------------------------------------

@@ -194,13 +194,20 @@ REFUSED: tuple[str, ...] = (
     "a loss that mixes the batch's rows, found by following the rows through every operator "
     "of a micro-batch's forward: a product or distance that pairs rows (InfoNCE and CLIP's "
     "`za @ zb.T`, `torch.cdist`, batch-hard triplet mining, shuffled or rolled negatives, an "
-    "output of `(N,)` against a target of `(N, 1)` that broadcasts to N × N), a max, min, sort, top-k, softmax, cumulative sum or normalisation over the rows, a sum over "
+    "output of `(N,)` against a target of `(N, 1)` that broadcasts to N × N), a max, min, "
+    "sort, top-k, softmax, cumulative sum or normalisation over the rows, a sum over "
     "the rows used non-linearly or with the rows themselves (`x - x.mean(0)`), part of the "
     "rows (a slice, the first row as anchor), and a mean whose count depends on the batch's "
     "content (`l.sum() / mask.sum()`, `ignore_index` or class weights that leave rows with "
     "different counts) without `items=`; the refusal names the operator and the line that "
     "mixed the rows, and for a loss over the whole batch's embeddings points to "
     "`embed_in_pieces`",
+    "a loss of another kind than `reduction=` weighs, found the same way: a sum over the "
+    "rows (`reduction=\"sum\"` in the loss, `l.sum() / 16`) where micro-batches are weighed "
+    "by their share of the rows (the default, `reduction=\"mean\"`), a mean where "
+    "`reduction=\"sum\"` adds them whole, and a term without rows that learns (a penalty on "
+    "the weights) added to a sum under `reduction=\"sum\"`, which would count once per "
+    "micro-batch",
 )
 
 
