@@ -1198,3 +1198,30 @@ def test_a_tensor_argument_with_the_batchs_rows_is_never_cut_silently() -> None:
         whole((x, torch.randn(16, 1)))
         with inject_oom(phase="backward", at_op=2):
             whole((x, torch.randn(16, 1)))  # (cut, both parts alike)
+
+
+def test_a_bare_decorator_joins_each_result_along_its_rows_or_returns_the_pieces() -> None:
+    """The rows of each result are followed through the first split: ``enc(x).T`` (8
+    features, pieces of 8 rows: as long in both dimensions) is joined along its columns, on
+    the first split and on later calls; a sum over the rows is added, not averaged; a max over
+    them comes back as the pieces' values (averaging maxes gave a wrong number silently, and
+    the transposed output came back (16, 8), its rows stacked as columns)."""
+    torch.manual_seed(0)
+    enc = nn.Linear(4, 8)
+
+    @retry_on_oom
+    def embed(x: torch.Tensor) -> dict[str, Any]:
+        with torch.no_grad():
+            z = enc(x)
+            return {"features": z.T, "total": z.sum(), "top": z.max()}
+
+    for call in range(2):
+        x = torch.randn(16, 4)
+        truth = embed.__wrapped__(x)
+        with inject_oom(batch_over=8):
+            out = embed(x)
+        assert embed.stats.micro_batch_size == 8 or call
+        torch.testing.assert_close(out["features"], truth["features"], msg=f"call {call}")
+        torch.testing.assert_close(out["total"], truth["total"])
+        assert isinstance(out["top"], list)
+        assert max(out["top"]) == truth["top"]

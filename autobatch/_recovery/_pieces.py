@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autobatch import _distributed
 from autobatch._batch import Batch, elements_per_sample, shape_key, tensors
@@ -47,7 +48,7 @@ from autobatch._recovery._ranks import (
     _refuse_independent_shards,
 )
 from autobatch._recovery._records import _Tally
-from autobatch._recovery._results import _combine
+from autobatch._recovery._results import _combine, result_rows
 from autobatch._recovery._rows import RowWatch
 from autobatch._recovery._rules import Refusal, judge
 from autobatch._recovery._sizes import _Sizes, _TooSmall
@@ -151,6 +152,7 @@ class _BatchRun:
         self.session: _Accumulation | None = None
         self.whole: _Attempt | None = None  # the attempt of a piece that runs whole
         self.rows: RowWatch | None = None  # the rows of the piece that runs, followed
+        self.tags: WeakIdKeyDictionary | None = None  # the first piece's, where followed
         #: an early piece's loss divided by a count of the batch's content that it found the
         #: same for every row: every later piece (the last too) is followed to check its own
         self.counted = False
@@ -205,7 +207,7 @@ class _BatchRun:
         engine.tally.micro_batch_size = (
             max(n for n, _, _ in self.pieces) if len(self.pieces) > 1 else None
         )
-        return _combine(self.pieces)
+        return _combine(self.pieces, result_rows(engine, self.pieces[0][1], self.tags))
 
     def _may_vary(self, rows: RowWatch) -> bool:
         """Whether the count a micro-batch's mean divides by may differ from row to row in
@@ -238,9 +240,10 @@ class _BatchRun:
         engine, coord, session = self.engine, self.coord, self.session
         counted = self.counted and session is not None  # (the later pieces' counts, checked)
         records = early or self.learning
+        tagging = not self.pieces and n < self.total and session is None  # (for the join)
         rows = RowWatch(tensors(piece), n, items=engine.options.items is not None,
                         reduction=engine.options.reduction) if (
-            early or counted) else None
+            early or counted or tagging) else None
         if rows is not None:
             rows.expected = self.counts
         self.rows = rows
@@ -351,6 +354,8 @@ class _BatchRun:
                 ledger.adopted = []
             if memory.has_statistics and chunk is None:  # (its own memory: not the piece's)
                 engine.sizes.record(self.key, self.eps, n, phases.outside - baseline)
+            if not self.pieces and self.rows is not None:  # (how its results hold the rows)
+                self.tags = self.rows.tags
             self.pieces.append((n, result, weight))
             self.scalars.piece_done(n)
             self.done += n

@@ -434,7 +434,7 @@ def matmul(lhs: int, rhs: int, batched: bool, bias: int | None = None) -> Rule:
             if out_dims:
                 op.put_all(FREE, op.taint("a product that contracts the batch's rows"))
             else:
-                op.put_all(AGG)  # (a sum over rows of per-row products: X.T @ Y)
+                op.put_all(AGG, total=True)  # (a sum over rows of per-row products: X.T @ Y)
             return
         if not out_dims:
             op.put_all(FREE)
