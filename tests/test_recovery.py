@@ -1225,3 +1225,43 @@ def test_a_bare_decorator_joins_each_result_along_its_rows_or_returns_the_pieces
         torch.testing.assert_close(out["total"], truth["total"])
         assert isinstance(out["top"], list)
         assert max(out["top"]) == truth["top"]
+
+
+def test_items_that_run_out_of_memory_on_the_whole_batch_are_counted_piece_by_piece() -> None:
+    """A call split from the start counts ``items=`` over the whole batch first; where that
+    count runs out of memory itself (its first operator), it is the sum of the pieces' counts
+    (torch's raw OutOfMemoryError escaped), and the step stays exact."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)
+        y[:7] = -100
+
+        def train(guard: bool) -> list[torch.Tensor]:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+            def step(batch: Any) -> None:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+                opt.step()
+
+            run = retry_on_oom(optimizer=opt, items=lambda b: (b[1] != -100).sum())(step) if (
+                guard) else step
+            run((x, y))
+            if guard:
+                with inject_oom(phase="forward", at_op=2):  # (learns pieces of 8)
+                    run((x, y))
+                with inject_oom(phase="forward", at_op=1) as fault:  # (the count's operator)
+                    run((x, y))
+                assert fault.fired == 1
+            else:
+                run((x, y))
+                run((x, y))
+            return [p.detach().clone() for p in model.parameters()]
+
+        for a, b in zip(train(True), train(False), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from autobatch._batch import Batch, ambiguous_paths, batch_size, slice_batch, tensors
 from autobatch._errors import AutobatchError
 from autobatch._log import user_stacklevel
+from autobatch._oom import failure_kind
 
 
 def _batch_parameter(
@@ -82,6 +83,20 @@ def _count_items(value: object, name: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name}: items= returned {value!r}; a count must be finite and >= 0")
     return float(value)
+
+
+def batch_items(items: Callable[[Batch], Any], batch: Batch, piece: int, name: str) -> float:
+    """What ``items=`` counts in the whole batch: at once, or where that runs out of memory
+    too (a mask built over the whole batch), as the sum of its pieces' counts (a count of
+    items adds up over the rows)."""
+    try:
+        return _count_items(items(batch), name)
+    except Exception as error:  # (out of the except block below: its tensors are gone)
+        if failure_kind(error) is None:
+            raise
+    total = batch_size(batch)
+    return sum(_count_items(items(slice_batch(batch, start, min(start + piece, total))), name)
+               for start in range(0, total, piece))
 
 
 def batch_statistics(named: list[tuple[str, nn.Module]]) -> list[str]:

@@ -26,6 +26,7 @@ from autobatch._recovery._accumulate import _Accumulation, reset_scalers
 from autobatch._recovery._arguments import (
     _count_items,
     bare_steps,
+    batch_items,
     check_rows_elsewhere,
     describe_params,
     foreign_steps,
@@ -279,7 +280,7 @@ class _BatchRun:
             warn_tuples(engine.name, self.batch, engine.warned)
             options = engine.options
             if options.items is not None and options.reduction == "mean":
-                self.items = _count_items(options.items(self.batch), engine.name)
+                self.items = batch_items(options.items, self.batch, n, engine.name)
         last = done + n == total
         splits = n < total and engine.policy == "accumulate"  # pieces of one step
         watched = splits or self.learning or coord is not None or chunk is not None
