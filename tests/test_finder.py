@@ -871,3 +871,18 @@ def test_type_checkers_see_the_parameters() -> None:
     assert "max_bach=8)  # type: ignore[call-arg]" in (
         root / "tests" / "typecheck_signatures.py"
     ).read_text()
+
+
+def test_an_optimizer_that_needs_a_closure_and_a_lazy_model_are_told_what_to_do() -> None:
+    """LBFGS's step() needs a closure the default step cannot give (torch's TypeError came
+    from inside a trial); a lazy module not run yet has no parameters to save (torch's
+    ValueError came from the saved state). Both say the fix, the model untouched."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    sample = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with SimulatedGPU("4MiB", adopt=[model]), pytest.raises(ValueError, match="step_fn="):
+        search_batch_size(model, sample, torch.optim.LBFGS, loss_fn=CE)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    lazy = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(ValueError, match="run the model once on a sample"):
+        search_batch_size(lazy, sample, torch.optim.SGD, loss_fn=CE, max_batch=64)

@@ -39,6 +39,8 @@ from autobatch._sizing._workload import (
     OptimizerLike,
     StepFn,
     TrainingStep,
+    check_default_step,
+    check_initialized,
     eager_view,
     is_compiled,
     make_optimizer,
@@ -107,7 +109,9 @@ def prepared(
             "a gradient. Unfreeze what you train (p.requires_grad_(True)), or pass train=False "
             "to size inference"
         )
+    check_initialized(model)
     made = make_optimizer(optimizer if train else None, model)
+    check_default_step(made, step_fn, train)
     _warn_uncounted(memory, model, made if made is optimizer else None)
     referenced = state_referenced(loss_fn, step_fn)  # (what a step_fn steps is put back too)
     saved_state = SavedState(

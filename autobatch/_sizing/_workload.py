@@ -6,6 +6,7 @@ measures nothing and decides no size.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -235,6 +236,40 @@ class TrainingStep:
             loss.backward()
             if optimizer is not None:
                 optimizer.step()
+
+
+def check_default_step(optimizer: torch.optim.Optimizer | None, step_fn: Any, train: bool) -> None:
+    """Refuse an optimizer whose ``step()`` the default step cannot call: one that needs a
+    closure (LBFGS)."""
+    if step_fn is None and train and optimizer is not None and _needs_closure(optimizer):
+        raise ValueError(
+            f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, "
+            "which the default step cannot give it: pass step_fn=, a function (model, batch) "
+            "-> loss that calls optimizer.step(closure) as your training loop does"
+        )
+
+
+def check_initialized(model: nn.Module) -> None:
+    """Refuse a model with lazy parameters not made yet (``nn.LazyLinear`` before its first
+    forward): they have no shape to save, put back or count."""
+    for name, param in model.named_parameters():
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"the model's parameter {name!r} is not initialized yet (a lazy module, such "
+                "as nn.LazyLinear, makes it at its first forward): run the model once on a "
+                "sample (model(sample)), then search"
+            )
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` takes a required argument (LBFGS's closure)."""
+    try:
+        signature = inspect.signature(optimizer.step)
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is inspect.Parameter.empty and p.kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for p in signature.parameters.values())
 
 
 def make_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.Optimizer | None:

@@ -38,6 +38,7 @@ from autobatch._sizing._workload import (
     Sample,
     StepFn,
     TrainingStep,
+    check_default_step,
     collated,
     is_compiled,
     make_optimizer,
@@ -369,6 +370,7 @@ class _MetaSetup:
             module.register_forward_hook(functools.partial(self._leave, label))
         if not train:
             self.model.eval()
+        check_default_step(self.optimizer, step_fn, train)
         self.step = TrainingStep(
             self.model, self.optimizer, loss_fn=loss_fn, step_fn=step_fn, train=train
         )
