@@ -397,7 +397,9 @@ class _BatchRun:
             verdict = judge(engine.name, failure.kind, failure.inside, seen, engine.optimizers)
             if verdict is not None:
                 if seen.carried and whole is not None:  # (no parameter changed: the rest,
-                    whole.rollback()                    # a BatchNorm's statistics, goes back)
+                    whole.rollback()                    # a BatchNorm's statistics, goes back,
+                    if ledger.is_open:                  # what a watched attempt wrote too)
+                        ledger.undo_batch()
                 elif whole is not None:
                     whole.rewind_rng()
                 raise verdict from failure.exc
