@@ -270,7 +270,8 @@ def _save_attributes(module: torch.nn.Module) -> _Attributes:
         if key in _MODULE_INTERNALS:
             continue
         if isinstance(value, torch.Tensor):
-            kept[key] = (value, _host_copy(value))
+            if _plain(value):  # (not a parameter, nor a shard or a storage let go: FSDP's)
+                kept[key] = (value, _host_copy(value))
         elif isinstance(value, (int, float, bool, str, type(None))):
             kept[key] = (value, value)
         elif isinstance(value, (dict, list)):
@@ -278,13 +279,25 @@ def _save_attributes(module: torch.nn.Module) -> _Attributes:
     return set(vars(module)), kept
 
 
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor whose storage holds its bytes (not a
+    parameter, a wrapper subclass such as a DTensor, or a tensor whose storage FSDP let go)."""
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
+        return False
+    if tensor.numel() == 0:
+        return True
+    last = tensor.storage_offset() + sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+
+
 def _put_attributes(module: torch.nn.Module, saved: _Attributes) -> None:
-    """Put back what :func:`_save_attributes` saved; a tensor (or a dict or list) a trial
-    set on a name the module did not have is let go."""
+    """Put back what :func:`_save_attributes` saved; a tensor a trial set on a name the
+    module did not have is let go."""
     names, kept = saved
     state = vars(module)
-    for key in [k for k, v in state.items() if k not in names
-                and isinstance(v, (torch.Tensor, dict, list))]:
+    for key in [k for k, v in state.items()
+                if k not in names and isinstance(v, torch.Tensor) and _plain(v)]:
         del state[key]
     for key, (original, copied) in kept.items():
         if isinstance(original, torch.Tensor):
