@@ -68,6 +68,7 @@ class TrialSetup:
         """Set every gradient to None, and let the last loss go: after a failed trial, and
         between trials."""
         self.step.forget()
+        torch.clear_autocast_cache()  # (a search inside torch.autocast: its weights' casts)
         if self.saved is not None:  # (a hidden state a trial kept on a module, say)
             self.saved.put_back_attributes()
         self.model.zero_grad(set_to_none=True)
