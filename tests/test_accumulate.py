@@ -727,6 +727,31 @@ def test_first_step_refusal_says_what_happened(foreach: bool) -> None:
     assert ("foreach=False" in message) is foreach
 
 
+def test_an_optimizer_without_state_is_not_told_of_a_first_step_on_a_later_call() -> None:
+    """Plain SGD keeps no state: on its third call it has none, as on its first, and an OOM
+    after it changed a parameter was said to be "inside the first step of SGD (while it
+    created its state)"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @retry_on_oom(optimizer=opt)
+    def step(x: torch.Tensor) -> None:
+        opt.zero_grad()
+        model(x).mean().backward()
+        opt.step()
+
+    step(torch.randn(3, 4))
+    step(torch.randn(3, 4))
+    fault = _FailAfterParameterWrite(list(model.parameters()))
+    with fault, pytest.raises(AutobatchError) as caught:
+        step(torch.randn(3, 4))
+    assert fault.fired == 1
+    message = str(caught.value)
+    assert "inside the first step" not in message
+    assert "inside SGD.step()" in message
+
+
 # --------------------------------------------------------------------------------------------
 # 9. The guard's memory is bounded
 

@@ -335,7 +335,9 @@ def judge(
     fresh = id(inside) in seen.fresh
     if first_step_retryable(inside, fresh=fresh, params_changed=bool(seen.changed)):
         return None
-    return first_step_error(name, kind, inside, fresh=fresh, changed=seen.changed)
+    # (an optimizer that keeps no state, plain SGD, has none at any step: not a first step)
+    return first_step_error(name, kind, inside, fresh=fresh and bool(inside.state),
+                            changed=seen.changed)
 
 
 # The retry rule for an OOM inside a first step ------------------------------------------------
