@@ -604,9 +604,16 @@ def free_memory(device: DeviceLike = None) -> None:
         memory.empty_cache()
 
 
+#: The backends whose devices this process has, found once (a check costs microseconds, and
+#: the random streams are saved on every call of a decorated step).
+_AVAILABLE: list[tuple[type[DeviceMemory], ...]] = []
+
+
 def save_rng_states() -> dict[str, Any]:
     """The random-number generator states of the CPU and every available device."""
-    return {b.__name__: b.rng_states() for b in BACKENDS if b.available()}
+    if not _AVAILABLE:
+        _AVAILABLE.append(tuple(b for b in BACKENDS if b.available()))
+    return {b.__name__: b.rng_states() for b in _AVAILABLE[0]}
 
 
 def restore_rng_states(states: dict[str, Any]) -> None:
