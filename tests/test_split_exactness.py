@@ -576,3 +576,30 @@ def test_a_loss_of_another_kind_than_the_reduction_weighs_is_refused(
         opt.step()
 
     _refused(check_split(step, _data(), optimizer=opt, model=model, reduction=reduction), named)
+
+
+@pytest.mark.parametrize("loss", ["sum / numel", "sum('sum') / numel", "sum over columns, mean",
+                                  "sum / len", "mean / 4"])
+def test_a_mean_written_as_a_sum_divided_by_its_count_is_exact(loss: str) -> None:
+    """``l.sum() / l.numel()`` over a loss per row and column is a mean (refused as a sum
+    when the count followed was the rows only), as are the other ways to write one."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        x, y = batch
+        out = model(x)
+        target = nn.functional.one_hot(y, 3).to(out.dtype)
+        per = (out - target).pow(2)
+        value = {
+            "sum / numel": per.sum() / per.numel(),
+            "sum('sum') / numel": nn.functional.mse_loss(out, target, reduction="sum") / per.numel(),
+            "sum over columns, mean": per.sum(1).mean(),
+            "sum / len": per.sum() / len(x),
+            "mean / 4": per.mean() / 4,
+        }[loss]
+        value.backward()
+        opt.step()
+
+    check_split(step, _data(), optimizer=opt, model=model).assert_exact()

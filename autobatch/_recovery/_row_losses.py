@@ -28,7 +28,7 @@ def nll(op: Op) -> None:
     if reduced == 0:
         op.put(outs[0], 0)
     elif reduced == 2 or op.watch.items:
-        op.put(outs[0], AGG, total=reduced == 2)
+        op.put(outs[0], AGG, total=reduced == 2, summed=target.numel())
     elif (count := _even(target, op.arg("weight"), op.arg("ignore_index", -100),
                          op.watch.rows)) is not None:
         op.watch.even_used = True  # (the count is the batch's content: every piece checked)
@@ -96,4 +96,5 @@ def reduced_loss(op: Op) -> None:
         return
     op.put_all(AGG if rows else FREE,
                None if rows else op.taint(f"{op.label} of a sum over the batch's rows"),
-               total=op.arg("reduction", 1) == 2)
+               total=op.arg("reduction", 1) == 2,
+               summed=max((t.numel() for t, _ in rows), default=0))

@@ -50,6 +50,9 @@ class Tag:
     total: bool | None = None
     #: a term without rows that learns (a penalty on the weights) was added to the aggregate
     constant: bool = False
+    #: a sum's count: how many of the batch's elements each of its elements adds up (dividing
+    #: by it, ``l.sum() / l.numel()``, makes a mean); 0 where not known
+    summed: int = 0
 
 
 class Watch(Protocol):
@@ -126,7 +129,7 @@ class Op:
     def put(self, t: torch.Tensor, dim: int, taint: Taint | None = None,
             segments: tuple[int, ...] | None = None, inner: int | None = None,
             order: torch.Tensor | bool | None = True, even: float | None = None,
-            total: bool | None = None, constant: bool = False) -> None:
+            total: bool | None = None, constant: bool = False, summed: int = 0) -> None:
         """Tag ``t``; ``inner`` and ``order`` by default those of the first input with rows
         (a dimension carried over whole; ``order=None``: the batch's own order)."""
         taint = taint or self.inherited
@@ -143,14 +146,20 @@ class Op:
         kept = order if isinstance(order, torch.Tensor) else None
         aggregate = dim == AGG
         self.watch.tags[t] = Tag(dim, taint, segments, inner, kept, even if aggregate else None,
-                                 total if aggregate else None, constant and aggregate)
+                                 total if aggregate else None, constant and aggregate,
+                                 summed if aggregate and total else 0)
 
     def put_all(self, dim: int, taint: Taint | None = None,
                 segments: tuple[int, ...] | None = None, inner: int | None = None,
                 order: torch.Tensor | bool | None = True, even: float | None = None,
-                total: bool | None = None, constant: bool = False) -> None:
+                total: bool | None = None, constant: bool = False, summed: int = 0) -> None:
         for t in self.outputs():
-            self.put(t, dim, taint, segments, inner, order, even, total, constant)
+            self.put(t, dim, taint, segments, inner, order, even, total, constant, summed)
+
+    def summing(self, t: torch.Tensor) -> int:
+        """How many elements of ``t`` each element of this operator's output adds up."""
+        outs = self.outputs()
+        return t.numel() // max(outs[0].numel(), 1) if outs else 0
 
     def kind(self) -> tuple[bool | None, bool]:
         """The kind of the aggregates among the inputs, as a linear operator leaves it
@@ -327,12 +336,13 @@ def _aggregate(op: Op) -> None:
             else "a product of two sums over the batch's rows", kind))
         return
     total, constant = op.kind()
+    summed = next((tag.summed for _, tag in op.tagged if tag.dim == AGG), 0)
     if total and op.name in ("div", "true_divide") and isinstance(op.args[1], int) and (
-        op.args[1] == watch.rows
+        op.args[1] in (watch.rows, summed)
     ):
-        total = False  # (``l.sum() / len(x)``: a mean by the micro-batch's rows)
+        total = False  # (``l.sum() / len(x)``, ``l.sum() / l.numel()``: a mean)
     op.put_all(AGG, even=even if op.name not in _PRODUCTS else None, total=total,
-               constant=constant)
+               constant=constant, summed=summed)
 
 
 def reduction(linear: bool) -> Rule:
@@ -342,7 +352,8 @@ def reduction(linear: bool) -> Rule:
         t, tag = op.tagged[0]
         if tag.dim < 0:
             if tag.dim == AGG and linear:
-                op.put_all(AGG, total=tag.total, constant=tag.constant)
+                summed = tag.summed * (op.summing(t) if op.name != "mean" else 1)
+                op.put_all(AGG, total=tag.total, constant=tag.constant, summed=summed)
             else:
                 op.put_all(FREE, op.taint(f"{op.label} of a sum or mean over the batch's rows")
                            if tag.dim == AGG else None)
@@ -358,7 +369,7 @@ def reduction(linear: bool) -> Rule:
         if tag.dim in reduced:
             if linear:
                 even = None if t.requires_grad else _even_rows(t, tag, op.watch.rows)
-                op.put_all(AGG, even=even, total=op.name != "mean")
+                op.put_all(AGG, even=even, total=op.name != "mean", summed=op.summing(t))
             else:
                 op.put_all(FREE, op.taint(f"a {op.label} over the batch's rows"))
             return
