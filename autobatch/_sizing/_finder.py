@@ -324,7 +324,8 @@ def _measured_search(
             capacity_bytes=budget if memory.has_statistics else None,
         )
     step = spec.multiple_of
-    computed = math.floor((1 - spec.headroom) * outcome.largest_fit) // step * step
+    computed = recommend(outcome, headroom=spec.headroom, multiple_of=step,
+                         min_size=spec.min_batch)  # (the arithmetic alone, no trial)
     if recommended != computed:  # (recommend() proved its size by a trial)
         where = "the largest below it" if recommended < computed else (
             "the nearest above it, in a band of sizes that train below the largest")
