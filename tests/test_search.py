@@ -985,27 +985,3 @@ def test_an_approximate_replay_aims_at_its_highest_island_however_narrow() -> No
     state = SearchState(trials=tuple(trials), largest_fit=72, smallest_fail=660, min_size=1,
                         max_size=None, multiple_of=1, capacity_bytes=10**9)
     assert ModelGuided().next_size(state) == 648
-
-
-@given(largest=st.integers(1, 400), step=st.sampled_from([1, 2, 8]),
-       headroom=st.sampled_from([0.05, 0.1, 0.2]))
-def test_the_recommended_size_keeps_its_share_of_a_handful_of_rows_too(
-    largest: int, step: int, headroom: float
-) -> None:
-    """``(1 - headroom)`` of the largest, rounded down onto the grid; where that would keep
-    less than ``1 - 1.5 * headroom`` of a handful of rows (13 -> 11, 0.846 at the default),
-    the smallest grid size that keeps it, below the largest (13 -> 12)."""
-    found = SearchOutcome(largest_fit=largest, smallest_fail=largest + 1, trials=(), model=None)
-    top = largest // step * step
-    assume(top >= step)
-    size = recommend(found, headroom=headroom, multiple_of=step)
-    assert size % step == 0
-    assert step <= size <= top
-    rounded = max(step, min(math.floor((1 - headroom) * largest) // step * step, top))
-    least = (1 - 1.5 * headroom) * largest
-    if size != rounded:  # lifted: the smallest grid size that keeps its share, below the top
-        assert rounded < least - 1e-9
-        assert size < top
-        assert size - step < least - 1e-9 <= size
-    else:  # kept: it keeps its share, or no grid size below the top does
-        assert size >= least - 1e-9 or -(-math.ceil(least - 1e-9) // step) * step >= top

@@ -238,8 +238,7 @@ def recommend(
     capacity_bytes: int | None = None,
 ) -> int:
     """The recommended size: the largest grid size at most ``(1 - headroom)`` times
-    ``outcome.largest_fit`` that trains (where rounding down a handful of rows would leave
-    less than ``1 - 1.5 * headroom`` of them, the smallest grid size from there: 12 of 13).
+    ``outcome.largest_fit`` that trains.
 
     ``headroom`` is a share of the largest size that trains, the meaning it has everywhere in
     autobatch (the finder, the per-length tables, the planner, the guard's pieces): memory
@@ -291,10 +290,6 @@ def recommend(
             f"(min_size={min_size}, multiple_of={multiple_of}); pass the search's own grid"
         )
     size = max(smallest, min(math.floor((1 - headroom) * largest) // step * step, top))
-    # (a handful of rows: rounded down, 13 -> 11, it would leave more than its share unused)
-    least = -(-math.ceil((1 - NEAR * headroom) * largest - 1e-9) // step) * step
-    if size < least < top:
-        size = least
     if probe is None or headroom == 0:
         return size
     trials = list(outcome.trials)

@@ -324,8 +324,7 @@ def _measured_search(
             capacity_bytes=budget if memory.has_statistics else None,
         )
     step = spec.multiple_of
-    computed = recommend(outcome, headroom=spec.headroom, multiple_of=step,
-                         min_size=spec.min_batch)  # (the arithmetic alone, no trial)
+    computed = math.floor((1 - spec.headroom) * outcome.largest_fit) // step * step
     if recommended != computed:  # (recommend() proved its size by a trial)
         where = "the largest below it" if recommended < computed else (
             "the nearest above it, in a band of sizes that train below the largest")
