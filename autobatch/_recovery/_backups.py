@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from autobatch._recovery._inspect import _key, engine_work, host_copy
+from autobatch._sizing._state import holds_bytes
 
 _View = tuple[int, int, tuple[int, ...], tuple[int, ...]]
 
@@ -24,16 +25,6 @@ def _view(tensor: torch.Tensor) -> _View:
         _key(tensor), int(tensor.storage_offset()), tuple(map(int, tensor.shape)),
         tuple(map(int, tensor.stride())),
     )
-
-
-def _held(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s bytes are still in its storage (a storage resized to fewer bytes,
-    as FSDP2 does to an unsharded parameter after use, no longer holds them)."""
-    if tensor.numel() == 0:
-        return True
-    last = tensor.storage_offset() + sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
 
 
 #: Backups larger than this are kept in host memory, not on the device.
@@ -96,7 +87,7 @@ class Backups:
                     entry.put(entry.value)
                     continue
                 tensor, copy = entry
-                if not _held(tensor):
+                if not holds_bytes(tensor):
                     continue  # its storage was freed since (FSDP2 frees an unsharded parameter
                     # after use): nothing can read it before it is filled afresh
                 if copy.device != tensor.device:

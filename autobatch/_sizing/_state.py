@@ -279,16 +279,22 @@ def _save_attributes(module: torch.nn.Module) -> _Attributes:
     return set(vars(module)), kept
 
 
-def _plain(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a plain dense tensor whose storage holds its bytes (not a
-    parameter, a wrapper subclass such as a DTensor, or a tensor whose storage FSDP let go)."""
-    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
-        return False
+def holds_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes are still in its storage (a storage resized to fewer bytes,
+    as FSDP does to an unsharded parameter after use, no longer holds them)."""
     if tensor.numel() == 0:
         return True
     last = tensor.storage_offset() + sum(
         (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor whose storage holds its bytes (not a
+    parameter, a wrapper subclass such as a DTensor, or a tensor whose storage FSDP let go)."""
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
+        return False
+    return holds_bytes(tensor)
 
 
 def _put_attributes(module: torch.nn.Module, saved: _Attributes) -> None:
