@@ -26,7 +26,6 @@ import inspect
 import json
 import math
 import os
-import random
 import re
 import tempfile
 import time
@@ -327,12 +326,11 @@ def _sample(sample: Any) -> Any:
     callable ``n -> batch`` sample, the structure of ``sample(1)``, made with the random number
     generators saved and put back."""
     if is_sample_factory(sample):
-        torch_rng, python_rng = save_rng_states(), random.getstate()
+        rng = save_rng_states(host=True)
         try:
             made = sample(1)
         finally:
-            restore_rng_states(torch_rng)
-            random.setstate(python_rng)
+            restore_rng_states(rng)
         return {"factory": _qualname(sample), "structure": _sample(made)}
     return [[path, shape, str(dtype)] for path, shape, dtype in _batch.shape_key(sample)]
 

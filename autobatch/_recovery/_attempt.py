@@ -110,13 +110,38 @@ _registration_hooks: list[RemovableHandle] = []
 _WATCHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+#: Told of each registration into a step's modules before it happens, with what puts back
+#: what it replaces (the ledger: it refuses one in a micro-batch before the last outside every
+#: forward, and keeps the undo in its stores).
+REGISTERING: list[Callable[[nn.Module, str, Any], None]] = []
+_NEW = object()
+
+
 def _registered(module: nn.Module, name: str, value: Any) -> None:
     if module not in _WATCHED:
         return
+    before: Any = (module, name, _NEW)
     for held in (module._buffers, module._modules, module._parameters):
-        if name in held and held[name] is value:
-            return  # (the same object again: ``self.count += 1`` on a buffer re-registers it)
+        if name in held:
+            if held[name] is value:
+                return  # (the same object again: ``self.count += 1`` on a buffer re-registers it)
+            before = (held, name, held[name])
+    for judge in REGISTERING:
+        judge(module, name, before)
+    attempt = _ATTEMPT.get()
+    if attempt is not None:  # (a failed attempt puts the object back: ``self.n = self.n + 1``)
+        attempt.undo.keep(("registered", id(before[0]), name), before, put_registered)
     _EPOCH[0] += 1
+
+
+def put_registered(before: tuple[Any, str, Any]) -> None:
+    """Put back what a registration replaced (or drop what it added)."""
+    holder, name, value = before
+    if value is _NEW:
+        for held in (holder._buffers, holder._modules, holder._parameters):
+            held.pop(name, None)
+    else:
+        holder[name] = value
 
 
 def watch_structure(modules: Iterable[nn.Module]) -> None:
@@ -165,6 +190,7 @@ class _Known:
         #: (a step that zeroes them with set_to_none first): from 3 on, none are kept apart
         self.drops_first = 0
         self.compiled = False
+        self.host_rng = False  # it draws from Python's or NumPy's stream: saved with torch's
         self.graphless = True  # nothing in `changing` requires gradients
         for optimizer in optimizers:
             self._add_params(p for g in optimizer.param_groups for p in g["params"])
@@ -402,7 +428,8 @@ class _Attempt:
         self.params = params
         self.undo = undo = Backups()
         # the random streams (a dropout mask drawn before memory ran out is drawn again)
-        undo.entries["rng"] = _Kept(restore_rng_states, save_rng_states())
+        undo.entries["rng"] = _Kept(restore_rng_states, save_rng_states(
+            host=self.engine.known.host_rng))
         grads = [p.grad for p in params]
         for g in grads:  # (a plain loop: the common case has none, on every step)
             if g is not None:
@@ -438,12 +465,15 @@ class _Attempt:
         except TypeError:  # (a gradient is None)
             self.began_with(params)
             return
+        if len(self.undo.entries) > 2:  # (it kept what a registration replaced: anew)
+            self.began_with(params)
+            return
         self.params = params
         kept, rng = self.undo.entries["gradients"], self.undo.entries["rng"]
         assert isinstance(kept, _Kept)  # (a light attempt keeps nothing else)
         assert isinstance(rng, _Kept)
         kept.value = (params, refs)
-        rng.value = save_rng_states()
+        rng.value = save_rng_states(host=self.engine.known.host_rng)
         self.carried, self.carried_refs = params, refs
         self.versions_carried = list(map(_VERSION, grads))
         self.apart = self.engine.known.drops_first < 3  # (a light attempt's step carries none)

@@ -7,7 +7,11 @@ batches each hold one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import dis
+import math
+import sys
+import types
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -107,17 +111,22 @@ class Backups:
 Slot = tuple[Any, Any, bool]
 _SCALARS = (int, float, str, bool, type(None))
 _MISSING = object()
+_COUNT = object()  # (the slot of a list's length: groups added to it are dropped)
 
 
-def scalar_slots(fn: Any) -> list[Slot]:
+def scalar_slots(fn: Any, holders: Iterable[Any] = ()) -> list[Slot]:
     """Where ``fn`` keeps Python scalars of its own: its closure's cells, the keys of dicts in
-    them, and, for a method, its instance's attributes, that hold a number, a string, a flag
-    or ``None`` (a call counter, a flag). A failed attempt puts them back, and every
-    micro-batch starts from the batch's values, so that they change once per call: a counter
-    counts the call once, and a loss it weights is the batch's. (A list appended to is a log:
-    an append runs once per micro-batch; a count of rows kept in the step counts the last
-    micro-batch's.)"""
+    them, the module globals its code assigns (``global step``), and the attributes of its
+    instance (a method's ``self``), of modules and of the user's own objects it holds in its
+    closure or names as globals (``model.global_step``, ``counter.n``), and of ``holders``
+    (the step's modules, the ``self`` a method decorated in its class body is called with),
+    that hold a number, a
+    string, a flag or ``None`` (a call counter, a flag). A failed attempt puts them back, and
+    every micro-batch starts from the batch's values, so that they change once per call: a
+    counter counts the call once, and a loss it weights is the batch's. (A list appended to
+    is a log: an append runs once per micro-batch.)"""
     slots: list[Slot] = []
+    given, holders = list(holders), []
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents
@@ -129,23 +138,70 @@ def scalar_slots(fn: Any) -> list[Slot]:
             slots += [(value, k, True) for k, v in value.items() if isinstance(v, _SCALARS)]
         elif type(value) is list and len(value) == 1 and isinstance(value[0], _SCALARS):
             slots.append((value, 0, True))
+        else:
+            holders.append(value)
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is not None and isinstance(names, dict):
+        assigned = _assigned_globals(code)
+        for name in code.co_names:
+            value = names.get(name, _MISSING)
+            if name in assigned and isinstance(value, _SCALARS):
+                slots.append((names, name, True))
+            elif value is not _MISSING and not isinstance(value, _SCALARS):
+                holders.append(value)
     owner = getattr(fn, "__self__", None)
-    held = getattr(owner, "__dict__", None)
-    if isinstance(held, dict) and not isinstance(owner, type):
-        slots += [(owner, k, False) for k, v in held.items() if isinstance(v, _SCALARS)]
+    seen: set[int] = set()
+    for holder in (owner, *given, *holders):
+        held = getattr(holder, "__dict__", None)
+        if id(holder) in seen or not isinstance(held, dict) or isinstance(holder, type) or not (
+            holder is owner or _users_own(holder)
+        ):
+            continue
+        seen.add(id(holder))
+        slots += [(holder, k, False) for k, v in held.items() if isinstance(v, _SCALARS)
+                  and not (k.startswith("__") or k == "training")]
     return slots
 
 
+_GLOBAL_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
+_ASSIGNED: dict[Any, frozenset[str]] = {}
+
+
+def _assigned_globals(code: Any) -> frozenset[str]:
+    """The globals a function's code assigns (``global step; step += 1``), read once."""
+    found = _ASSIGNED.get(code)
+    if found is None:
+        found = _ASSIGNED[code] = frozenset(
+            i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_STORES)
+    return found
+
+
+def _users_own(holder: Any) -> bool:
+    """An object whose numbers are the user's state: a module (``model.global_step``), or an
+    instance of a class of the user's own (not of torch's, autobatch's or a library's in
+    ``site-packages``: an optimizer or a scheduler keeps its own books)."""
+    if isinstance(holder, torch.nn.Module):
+        return True
+    if isinstance(holder, (types.ModuleType, types.FunctionType, types.MethodType)):
+        return False
+    module = sys.modules.get(type(holder).__module__)
+    path = getattr(module, "__file__", None) or ""
+    return type(holder).__module__ != "builtins" and not type(holder).__module__.startswith(
+        ("torch", "autobatch", "numpy")) and "-packages" not in path
+
+
 def hyperparameter_slots(optimizers: Any) -> list[Slot]:
-    """The optimizers' numeric hyperparameters (``lr``, ``momentum``, ``weight_decay``, ...):
-    a step that sets them itself (``group["lr"] = ...``) has them put back with its scalars."""
+    """The optimizers' numeric hyperparameters (``lr``, ``momentum``, ``weight_decay``, ...)
+    and their numbers of parameter groups: a step that sets them itself (``group["lr"] = ...``,
+    ``add_param_group``) has them put back with its scalars."""
     return [(group, k, True) for o in optimizers for group in o.param_groups
-            for k, v in group.items() if type(v) is float]
+            for k, v in group.items() if type(v) is float] + [
+        (o.param_groups, _COUNT, True) for o in optimizers]
 
 
-def step_scalars(fn: Any, optimizers: Any) -> list[Slot]:
+def step_scalars(fn: Any, optimizers: Any, holders: Iterable[Any] = ()) -> list[Slot]:
     """Where the step keeps Python numbers, its optimizers' hyperparameters included."""
-    return scalar_slots(fn) + hyperparameter_slots(optimizers)
+    return scalar_slots(fn, holders) + hyperparameter_slots(optimizers)
 
 
 class ScalarsBegan:
@@ -153,12 +209,19 @@ class ScalarsBegan:
     each micro-batch (so that each sees the batch's values: a counter that weights the loss
     weights every micro-batch alike), and after a refusal; and settled after the last piece.
 
-    How a number ends after a split depends on what it counts, which the pieces show: each
-    added the same whole number that is not a multiple of its rows (``calls += 1``): one
-    call's worth, as unsplit; otherwise (``rows += len(x)``, a float running total) the sum
-    of what every piece added. A flag or a string ends as the last piece left it. Attributes its
-    ``self`` got during the batch (``self.calls = 1`` first written by this call) are dropped
-    before each piece."""
+    How a number ends after a split depends on what it adds up, which the first piece shows
+    (the ``.item()`` values its forward read, each of a mean or a sum over the rows):
+
+    - what a mean read adds (``total += loss.item()``, ``ema = 0.9 * ema + 0.1 *
+      loss.item()``, an accuracy): the pieces' changes weighted by their shares, which is the
+      batch's change for any number affine in that mean;
+    - what a sum adds (``correct += (pred == y).sum().item()``), or a mean times the rows
+      (``total += loss.item() * len(x)``): the sum of the pieces' changes;
+    - the same whole number added by every piece, not a multiple of its rows (``calls +=
+      1``): one call's worth, as unsplit; any other number (``rows += len(x)``): the sum.
+
+    A flag or a string ends as the last piece left it. Attributes its ``self`` got during the
+    batch (``self.calls = 1`` first written by this call) are dropped before each piece."""
 
     def __init__(self, fn: Any, slots: list[Slot], values: list[Any]) -> None:
         self.slots, self.values = slots, values
@@ -167,7 +230,9 @@ class ScalarsBegan:
         self.attributes: dict[str, Any] = held if isinstance(held, dict) and not isinstance(
             owner, type) else {}
         self.names = set(self.attributes)
-        self.pieces: list[tuple[int, list[Any]]] = []  # (rows, values after it)
+        self.pieces: list[tuple[int, float, list[Any]]] = []  # (rows, share, values after it)
+        #: the first piece's ``.item()`` reads of sums and means over the rows: (value, a sum)
+        self.reads: list[tuple[float, bool]] = []
 
     def put_back(self) -> None:
         put_scalars(self.slots, self.values)
@@ -176,25 +241,47 @@ class ScalarsBegan:
                          if k not in self.names and isinstance(v, _SCALARS)]:
                 del self.attributes[name]
 
-    def piece_done(self, rows: int) -> None:
+    def piece_done(self, rows: int, share: float) -> None:
         if self.slots:
-            self.pieces.append((rows, read_scalars(self.slots)))
+            self.pieces.append((rows, share, read_scalars(self.slots)))
 
     def settle(self) -> None:
         """After the last piece: each number as the rule above says."""
         if len(self.pieces) < 2:
             return
-        settled = list(self.pieces[-1][1])
+        settled = list(self.pieces[-1][2])
+        rows = [n for n, _, _ in self.pieces]
+        shares = [share for _, share, _ in self.pieces]
         for i, start in enumerate(self.values):
-            ends = [values[i] for _, values in self.pieces]
+            ends = [values[i] for _, _, values in self.pieces]
             if not all(_number(v) for v in (start, *ends)):
                 continue
             added = [end - start for end in ends]
-            rows = [n for n, _ in self.pieces]
-            per_call = len(set(added)) == 1 and isinstance(added[0], int) and not all(
+            kind = _added_kind(start, added[0], rows[0], self.reads)
+            if kind == "mean":
+                settled[i] = start + sum(a * w for a, w in zip(added, shares, strict=True))
+                continue
+            per_call = kind is None and len(set(added)) == 1 and isinstance(
+                added[0], int) and not all(
                 a != 0 and a % n == 0 for a, n in zip(added, rows, strict=True))
             settled[i] = start + (added[0] if per_call else sum(added))
         put_scalars(self.slots, settled)
+
+
+def _added_kind(start: float, added: float, rows: int,
+                reads: list[tuple[float, bool]]) -> str | None:
+    """What the first piece's change of a number adds up: ``"sum"`` (a sum's read, or a
+    mean's times the rows), ``"mean"`` (a float, where a mean was read: a moving average of
+    the loss moves by a fraction of it), or ``None`` (the rules for counts decide)."""
+    def near(a: float, b: float) -> bool:
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12 * max(1.0, abs(start), abs(b)))
+
+    for value, total in reads:
+        if near(added, value) if total else near(added, value * rows):
+            return "sum"
+    if not isinstance(added, int) and not all(total for _, total in reads):
+        return "mean"  # (a float a mean was read for: a total or an average of the loss)
+    return None
 
 
 def _number(value: Any) -> bool:
@@ -202,6 +289,8 @@ def _number(value: Any) -> bool:
 
 
 def _get(holder: Any, name: Any) -> Any:
+    if name is _COUNT:
+        return len(holder)
     if type(holder) is list:
         return holder[0] if len(holder) == 1 else _MISSING
     return holder.get(name, _MISSING)
@@ -217,6 +306,8 @@ def put_scalars(slots: list[Slot], values: list[Any]) -> None:
         if not item:
             if getattr(holder, name) is not value:
                 setattr(holder, name, value)
+        elif name is _COUNT:
+            del holder[value:]
         elif type(holder) is list:
             if len(holder) == 1 and value is not _MISSING and holder[0] is not value:
                 holder[0] = value

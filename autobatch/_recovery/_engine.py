@@ -93,10 +93,11 @@ class _Engine:
         self.coordination: _Coordination | None = None
         self._lone: tuple[int, bool] | None = None  # (modules known, a DDP module under one rank)
         self.named = _modules_of(fn)
+        self.owners: dict[int, Any] = {}  # a method's ``self`` among the arguments (its numbers)
         if options.model is not None:
             self.named = {"model": options.model, **self.named}
         self.known = _Known(self.named.values(), self.optimizers)
-        self.scalars = step_scalars(self.fn, self.optimizers)  # (again on watched calls)
+        self.scalars = self._scalars()  # (again on watched calls)
         self.optimized_ids = {  # the parameters the step's own optimizers update
             id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]
         }
@@ -145,6 +146,7 @@ class _Engine:
         for value in args:
             if isinstance(value, nn.Module):
                 self.known.add_module(value)
+                self.owners[id(value)] = value
             elif isinstance(attributes := getattr(value, "__dict__", None), dict) and not (
                 isinstance(value, torch.Tensor)
             ):
@@ -152,6 +154,11 @@ class _Engine:
                     if isinstance(held, nn.Module):
                         self.named.setdefault(f"self.{name}", held)
                         self.known.add_module(held)
+                        self.owners[id(value)] = value
+
+    def _scalars(self) -> list[Any]:
+        """Where the step keeps Python numbers (its modules' and its ``self``'s too)."""
+        return step_scalars(self.fn, self.optimizers, [*self.named.values(), *self.owners.values()])
 
     # Bookkeeping ------------------------------------------------------------------------------
 
@@ -317,7 +324,7 @@ class _Engine:
 
     def finished(self, batch: Batch, samples: int, stepped: bool) -> None:
         """A call on the slow path is done (``stepped``: an optimizer of the step's own)."""
-        self.scalars = step_scalars(self.fn, self.optimizers)  # (`self.calls = 1`, say)
+        self.scalars = self._scalars()  # (`self.calls = 1`, say)
         if not stepped and (self.optimizers or self.keeps_gradients):
             self._note_carried()
         self.calls += 1
@@ -403,8 +410,8 @@ class _Engine:
                 self.known.add_module(module)
         learning = self.calls == 0 or self.learned != structure_epoch()
         if learning:
-            self.scalars = step_scalars(self.fn, self.optimizers)
             self._discover(args)
+            self.scalars = self._scalars()
             self.known.refresh()
             watch_structure(self.known.modules)
             self.learned = structure_epoch()

@@ -45,9 +45,9 @@ from autobatch._memory._accounting import (
     op_facts,
     written_tensors,
 )
-from autobatch._memory._backends import restore_rng_states, save_rng_states
+from autobatch._memory._backends import host_rng_moved, restore_rng_states, save_rng_states
 from autobatch._recovery import _attempt
-from autobatch._recovery._backups import Backups
+from autobatch._recovery._backups import Backups, _Kept
 from autobatch._recovery._inspect import (
     _BUSY,
     _compiled,
@@ -126,6 +126,34 @@ def see_optimizer_steps() -> None:
     global _step_hook
     if _step_hook is None:
         _step_hook = register_optimizer_step_pre_hook(_optimizer_stepping)
+
+
+def _registering(module: nn.Module, name: str, before: Any) -> None:
+    """A buffer, parameter or submodule assigned into one of a step's modules (another object
+    than it held): in a micro-batch before the last, outside every module's forward (where a
+    module's own state changes per micro-batch, as BatchNorm's statistics do), it would be
+    assigned once per micro-batch, each from the state the one before left: refused, before it
+    is assigned."""
+    ledger = watching()
+    if ledger is None:
+        return
+    if not (ledger.early and ledger.records) or _forward_module() is not None:
+        if ledger.is_open:  # (put back with the piece or the batch: self.n = self.n + 1)
+            key = ("registered", id(before[0]), name)
+            ledger.piece.keep(key, before, _attempt.put_registered)
+            ledger.batch.keep(key, before, _attempt.put_registered)
+        return
+    raise refusal(
+        ledger.host.name, f"assigned {type(module).__name__}.{name} (a buffer, parameter or "
+        "submodule) outside its module's forward", user_frame(),
+        "it would be assigned once per micro-batch instead of once per batch, each time from "
+        "what the micro-batch before left (a functional EMA, a new head)",
+        "assign it after the decorated step returns, or update the buffer in place "
+        "(autobatch then refuses or keeps it by the rules for writes), or in its module's forward",
+    )
+
+
+_attempt.REGISTERING.append(_registering)
 
 
 def _optimizer_stepping(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -253,6 +281,7 @@ def _put_gradient(saved: tuple[torch.Tensor, weakref.ref[torch.Tensor] | None]) 
 
 def _put_hyper(saved: tuple[torch.optim.Optimizer, list[dict[str, Any]]]) -> None:
     optimizer, groups = saved
+    del optimizer.param_groups[len(groups):]  # (groups the step added: add_param_group)
     for group, hyper in zip(optimizer.param_groups, groups, strict=False):
         group.update(hyper)
 
@@ -645,7 +674,13 @@ class Ledger:
         metrics' states (a list state grows by appending) and the RNG streams."""
         for metric in self.metrics:
             store.keep(("metric", id(metric)), _metric_state(metric), _put_metric)
-        store.keep("rng", save_rng_states(), restore_rng_states)
+        store.keep("rng", save_rng_states(host=True), restore_rng_states)
+
+    def drew_host_rng(self) -> bool:
+        """Whether the batch drew from Python's or NumPy's stream (so far): from then on
+        the fast path saves them too."""
+        kept = self.batch.entries.get("rng")
+        return isinstance(kept, _Kept) and host_rng_moved(kept.value)
 
     def undo_piece(self) -> None:
         """Put back what the failed attempt changed (the earlier pieces' work stays)."""

@@ -182,8 +182,10 @@ class _BatchRun:
         except BaseException as error:
             # A refusal, an error of the step's own, a batch too large: nothing of the batch
             # is kept. (After an update that was partly applied, the state stays as it is.)
-            if isinstance(error, AutobatchError) and not isinstance(error, _Applied):
-                self.scalars.put_back()  # (a refusal: as before the call)
+            if (self.split or isinstance(error, AutobatchError)) and not isinstance(
+                error, _Applied
+            ):
+                self.scalars.put_back()  # (a refusal, or an error of a split: as before the call)
             if self.opened and not isinstance(error, _Applied):
                 if self.session is not None:
                     self.session.restart()
@@ -351,14 +353,17 @@ class _BatchRun:
                     self.counts = set(self.rows.counts)
             if watched:
                 engine.known.learn(ledger.first_attempt_written())
+                engine.known.host_rng = engine.known.host_rng or ledger.drew_host_rng()
                 engine.known.add_params(ledger.adopted)
                 ledger.adopted = []
             if memory.has_statistics and chunk is None:  # (its own memory: not the piece's)
                 engine.sizes.record(self.key, self.eps, n, phases.outside - baseline)
             if not self.pieces and self.rows is not None:  # (how its results hold the rows)
                 self.tags = self.rows.tags
+                self.scalars.reads = self.rows.reads
             self.pieces.append((n, result, weight))
-            self.scalars.piece_done(n)
+            self.scalars.piece_done(n, weight if self.engine.options.reduction == "mean" else (
+                n / self.total))
             self.done += n
             refined = None if chunk is not None else engine.sizes.after_piece(
                 self.key, self.eps, n, _segmented_room(memory, phases))

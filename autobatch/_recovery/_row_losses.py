@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from autobatch._recovery._inspect import engine_work
-from autobatch._recovery._row_ops import AGG, FREE, Op, pointwise
+from autobatch._recovery._row_ops import AGG, FREE, SELECTED, Op, pointwise, selected
 
 
 def nll(op: Op) -> None:
@@ -29,6 +29,8 @@ def nll(op: Op) -> None:
         op.put(outs[0], 0)
     elif reduced == 2 or op.watch.items:
         op.put(outs[0], AGG, total=reduced == 2, summed=target.numel())
+    elif any(tag is not None and selected(tag, op.watch.rows) for tag in (ti, tt)):
+        op.put(outs[0], FREE, op.taint(SELECTED, "count"))
     elif (count := _even(target, op.arg("weight"), op.arg("ignore_index", -100),
                          op.watch.rows)) is not None:
         op.watch.even_used = True  # (the count is the batch's content: every piece checked)
@@ -93,6 +95,9 @@ def reduced_loss(op: Op) -> None:
         return
     if len(rows) > 1 and not op.orders_agree():
         op.put_all(FREE, op.paired())
+        return
+    if op.arg("reduction", 1) == 1 and any(selected(tag, op.watch.rows) for _, tag in rows):
+        op.put_all(FREE, op.taint(SELECTED, "count"))
         return
     op.put_all(AGG if rows else FREE,
                None if rows else op.taint(f"{op.label} of a sum over the batch's rows"),

@@ -60,6 +60,8 @@ class Watch(Protocol):
 
     tags: WeakIdKeyDictionary
     values: set[float]
+    picks: dict[int, Taint]  # ``.item()`` of an index computed from all the rows (an argmax)
+    reads: list[tuple[float, bool]]  # ``.item()`` of sums (``True``) and means over the rows
     rows: int
     even_used: bool  # a count that depends on the batch's content was found even per row
     counts: list[float]  # what each row counted there
@@ -145,6 +147,12 @@ class Op:
             order = rows[0][1].order if rows and dim >= 0 else None
         kept = order if isinstance(order, torch.Tensor) else None
         aggregate = dim == AGG
+        if aggregate and total is None and not constant:
+            # (a view, a permute or a copy of one aggregate is of its kind: einsum's Gram
+            # matrix summed over the rows stays a sum through the views that follow its bmm)
+            kinds = [tag for _, tag in self.tagged if tag.dim == AGG]
+            if len(kinds) == 1 and len(self.tagged) == 1:
+                total, constant, summed = kinds[0].total, kinds[0].constant, kinds[0].summed
         self.watch.tags[t] = Tag(dim, taint, segments, inner, kept, even if aggregate else None,
                                  total if aggregate else None, constant and aggregate,
                                  summed if aggregate and total else 0)
@@ -202,6 +210,26 @@ def _ids(t: torch.Tensor, tag: Tag) -> torch.Tensor:
     if tag.order is not None:
         return tag.order
     return torch.arange(t.shape[tag.dim] // tag.inner, device=t.device)
+
+
+SELECTED = ("a mean over the rows a mask or an index made from the batch selected, whose count "
+            "depends on the batch's content")
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[:1] in "aeiou" else f"a {word}"
+
+
+def selected(tag: Tag, rows: int) -> bool:
+    """Whether ``tag`` holds some of the batch's rows, or some more than once (picked by a mask
+    or by an index made from the batch), not each of them once."""
+    order = tag.order
+    if order is None:
+        return False
+    if order.numel() != rows:
+        return True
+    with engine_work(), torch.no_grad():
+        return int(order.unique().numel()) != rows
 
 
 def ids(t: torch.Tensor, tag: Tag) -> torch.Tensor:
@@ -291,8 +319,27 @@ def pointwise(op: Op) -> None:
         return
     (dim,) = dims
     t, tag = rows[0]
+    if tag.order is not None and _by_place(op, dim, rank):
+        op.put_all(dim, op.taint("the batch's rows weighted by their place after a sort or a "
+                                 "selection (a rank)"))
+        return
     for out in outs:
         op.put(out, dim, segments=keep_segments(tag, t, out, dim))
+
+
+def _by_place(op: Op, dim: int, rank: int) -> bool:
+    """Whether a tensor without rows varies along the rows' dimension ``dim`` of the output:
+    weights by place (``sorted * torch.linspace(0, 1, n)``)."""
+    for other in flat(op.args, op.kwargs):
+        if op.tag_of(other) is not None:
+            continue
+        at = dim - (rank - other.dim())
+        if at >= 0 and other.shape[at] > 1:
+            with engine_work(), torch.no_grad():
+                first = other.narrow(at, 0, 1)
+                if not bool((other == first).all()):
+                    return True
+    return False
 
 
 def _aggregate(op: Op) -> None:
@@ -367,11 +414,14 @@ def reduction(linear: bool) -> Rule:
         else:
             reduced = {norm(d, rank) for d in dim}
         if tag.dim in reduced:
+            if linear and op.name == "mean" and selected(tag, op.watch.rows):
+                op.put_all(FREE, op.taint(SELECTED, "count"))
+                return
             if linear:
                 even = None if t.requires_grad else _even_rows(t, tag, op.watch.rows)
                 op.put_all(AGG, even=even, total=op.name != "mean", summed=op.summing(t))
             else:
-                op.put_all(FREE, op.taint(f"a {op.label} over the batch's rows"))
+                op.put_all(FREE, op.taint(f"{_a(op.label)} over the batch's rows"))
             return
         keep = bool(op.arg("keepdim", False))
         op.put_all(tag.dim if keep else tag.dim - sum(1 for d in reduced if d < tag.dim))
@@ -392,7 +442,7 @@ def along(op: Op) -> None:
         return
     order = _permuted(op, t, tag, len(dims))
     if order is None:
-        op.put_all(tag.dim, op.taint(f"a {op.label} across the batch's rows"))
+        op.put_all(tag.dim, op.taint(f"{_a(op.label)} across the batch's rows"))
         return
     op.put_all(tag.dim, order=order)  # (the same rows, in another order)
 
@@ -560,10 +610,13 @@ def embedding(op: Op) -> None:
 def item(op: Op) -> None:
     """``.item()`` of a sum over the rows (a count, perhaps): remembered, to see a division
     by it."""
-    if op.tagged[0][1].dim == AGG and isinstance(op.out, (int, float)) and not isinstance(
-        op.out, bool
-    ):
+    tag = op.tagged[0][1]
+    if tag.dim == AGG and isinstance(op.out, (int, float)) and not isinstance(op.out, bool):
         op.watch.values.add(float(op.out))
+        if tag.total is not None and tag.taint is None:  # (what a Python number may add up)
+            op.watch.reads.append((float(op.out), tag.total))
+    elif tag.taint is not None and type(op.out) is int:  # (``l[l.argmax()]``: an index)
+        op.watch.picks[op.out] = tag.taint
 
 
 def fallback(op: Op) -> None:

@@ -81,7 +81,8 @@ def select(op: Op) -> None:
         return
     dim = norm(op.arg("dim"), t.dim())
     if dim == tag.dim:
-        op.put_all(ONE, order=_row(t, tag, op.arg("index")))
+        picked = op.watch.picks.get(op.arg("index"))  # (an index from all the rows: argmax)
+        op.put_all(ONE, picked, order=_row(t, tag, op.arg("index")))
         return
     op.put_all(tag.dim - (dim < tag.dim))
 
@@ -207,6 +208,14 @@ def _picked(t: torch.Tensor, tag: Tag, index: Any, *, made: bool) -> torch.Tenso
         return base[flat]
 
 
+def _identity(index: Any, size: int) -> bool:
+    """Whether ``index`` names each index of a dimension of ``size`` once, in order."""
+    if not isinstance(index, torch.Tensor) or index.is_floating_point() or index.numel() != size:
+        return False
+    with engine_work(), torch.no_grad():
+        return bool((index.reshape(-1) == torch.arange(size, device=index.device)).all())
+
+
 def index(op: Op) -> None:
     """``x[i, j]``: rows not indexed keep their place; rows indexed by a mask or by an index
     made from the batch are selected (kept); by any other index, reordered (refused)."""
@@ -235,6 +244,12 @@ def index(op: Op) -> None:
     hit = next((i for s, w, i in cover if s <= d < s + w and i is not None), None)
     if hit is not None:
         masks = hit.dtype in (torch.bool, torch.uint8)
+        if tt.inner != 1 and not masks and _identity(hit, t.shape[d]):
+            # (every index of rows merged with other dimensions, in order: a mask built for
+            # (rows x choices) sequences, ``padding_mask[batch_idx, kv_idx]``)
+            long = [k for k, size in enumerate(hit.shape) if size == t.shape[d]]
+            op.put_all(first + width - hit.dim() + (long[0] if long else 0))
+            return
         order = _picked(t, tt, hit, made=op.tag_of(hit) is not None)
         if order is None:
             op.put_all(first, op.taint("the batch's rows picked or reordered by an index",

@@ -44,6 +44,7 @@ from autobatch._recovery._row_ops import (
     Op,
     Rule,
     Tag,
+    Taint,
     along,
     attention,
     embedding,
@@ -125,6 +126,8 @@ class RowWatch:
         self.reduction = reduction  # how the micro-batches' losses are weighed
         self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.values: set[float] = set()  # .item() of tensors made from the batch
+        self.picks: dict[int, Taint] = {}  # .item() of an index from all the rows (argmax)
+        self.reads: list[tuple[float, bool]] = []  # .item() of sums (True) and means over rows
         #: a mean by a count of the batch's content was judged exact (each row counts the
         #: same here): the batch's later micro-batches are followed too, to check theirs
         self.even_used = False

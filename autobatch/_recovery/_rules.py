@@ -434,8 +434,19 @@ def _gradient_assigned(edge: Edge) -> None:
 
 
 def _hyperparameters_changed(edge: Edge) -> None:
-    """An optimizer hyperparameter that changed in an early piece (a scheduler not given)."""
+    """An optimizer hyperparameter that changed in an early piece (a scheduler not given), or
+    a parameter group added (``add_param_group``, which the next micro-batch would repeat)."""
     for optimizer, groups in zip(edge.optimizers, edge.hyper, strict=False):
+        if len(optimizer.param_groups) != len(groups):
+            raise refusal(
+                edge.step,
+                f"added a parameter group to {type(optimizer).__name__} "
+                f"({len(groups)} groups, now {len(optimizer.param_groups)})",
+                "a micro-batch before the last",
+                "every micro-batch would add it again (torch refuses a parameter in two "
+                "groups), each from the optimizer the one before left",
+                "add the group after the decorated step returns (or before it is called)",
+            )
         for index, (group, saved) in enumerate(zip(optimizer.param_groups, groups, strict=False)):
             for key, value in saved.items():
                 now = group.get(key)

@@ -252,12 +252,11 @@ def _sample_at(sample_for: Callable[[int], Sample], length: int) -> Sample:
     come from there, and a sample held on the device while the trials run is memory the
     user's own loop does not hold (it made each length one row low where the peak meets the
     capacity to the byte)."""
-    torch_rng, python_rng = save_rng_states(), random.getstate()
+    rng = save_rng_states(host=True)
     try:
         sample = sample_for(length)
     finally:
-        restore_rng_states(torch_rng)
-        random.setstate(python_rng)
+        restore_rng_states(rng)
     if is_sample_factory(sample):
         return sample
     with _disable_current_modes():

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import random
-import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -368,10 +366,7 @@ class SavedState:
         self.grads = _Gradients(self.params)
         self.optimizer_states = [self._save_optimizer(o) for o in self.optimizers]
         self.extras = [(obj, self._save_object(obj)) for obj in extras]
-        self.rng = save_rng_states()
-        self.python_rng = random.getstate()
-        numpy = sys.modules.get("numpy")
-        self.numpy_rng = numpy.random.get_state() if numpy is not None else None
+        self.rng = save_rng_states(host=True)
 
     @staticmethod
     def _save_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -431,10 +426,6 @@ class SavedState:
         for optimizer, entries in zip(self.optimizers, self.optimizer_states, strict=True):
             self._restore_optimizer(optimizer, entries)
         restore_rng_states(self.rng)
-        random.setstate(self.python_rng)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None and self.numpy_rng is not None:
-            numpy.random.set_state(self.numpy_rng)
 
     def put_back_attributes(self) -> None:
         """The modules' own data attributes as saved (see :func:`_save_attributes`): before

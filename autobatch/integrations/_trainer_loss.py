@@ -215,11 +215,41 @@ def _model_counter(model: Any) -> Callable[[Any], Any] | None:
     function = mapping.get(loss_type) if loss_type is not None else None
     if loss_type is not None and all(function is not f for f in standard.values()):
         return None  # a model-specific loss (detection, CTC, speech): not a plain mean
+    if name.endswith("ForQuestionAnswering"):
+        return _answer_rows
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     causal = name.endswith(_CAUSAL_HEADS) or (
         function is not None and function is standard.get("ForCausalLMLoss")
     )
     return item_counter(causal and not encoder_decoder)
+
+
+def _answer_rows(batch: Any) -> Any:
+    """What a question-answering head's loss averages over: its rows, where every start and
+    end position lies in the sequence. transformers ignores a position past the sequence (it
+    becomes the loss's ``ignore_index``), and averages the start's and the end's losses each
+    over its own count: no share of rows or items weighs that, so it is refused."""
+    rows = _common.rows_of(batch)
+    if not hasattr(batch, "keys"):
+        return rows
+    inputs = next((batch[k] for k in ("input_ids", "inputs_embeds", "attention_mask")
+                   if isinstance(batch.get(k), torch.Tensor)), None)
+    if inputs is None or inputs.dim() < 2:
+        return rows
+    length = inputs.shape[1]
+    for key in ("start_positions", "end_positions"):
+        positions = batch.get(key)
+        if isinstance(positions, torch.Tensor) and bool((positions >= length).any()):
+            raise AutobatchError(
+                f"a batch's {key} point past its sequence ({length} tokens): the model's "
+                "question-answering loss ignores those rows, and averages its start and end "
+                "losses each over its own count of the rows it keeps, which no share of a "
+                "split batch's rows can weigh, so a split would train on another loss. Point "
+                "unanswerable questions at a position inside the sequence (the [CLS] token, 0, "
+                "as transformers' examples do), or use autobatch_trainer(trainer, guard=False) "
+                "with a batch size that fits"
+            )
+    return rows
 
 
 def _smoother_counter(model: Any) -> Callable[[Any], Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 import warnings
 from dataclasses import dataclass
@@ -453,7 +452,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
             "memory free; use autobatch.find_max_batch on the device instead"
         )
     with _disable_current_modes():
-        torch_rng, python_rng = save_rng_states(), random.getstate()
+        rng = save_rng_states(host=True)
         try:
             setup = _MetaSetup(
                 r.model, r.sample, r.optimizer, loss_fn=r.spec.loss_fn, step_fn=r.spec.step_fn,
@@ -514,8 +513,7 @@ def _plan_from_steps(r: _Request, why: str) -> Plan:
             if r.caching and not any(t.fits for t in trials):  # (the bytes the message gives)
                 trials.append(Trial(first, False, setup.peak(first)))
         finally:
-            restore_rng_states(torch_rng)
-            random.setstate(python_rng)
+            restore_rng_states(rng)
     # allocated peaks; a size the caching allocator's model refused has none
     peaks = {t.size: t.peak_bytes or 0 for t in trials if t.peak_bytes is not None}
     points = peaks if not r.caching else {

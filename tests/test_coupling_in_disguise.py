@@ -1,0 +1,122 @@
+"""Losses that couple the batch's rows in the forms users write them, not only the textbook
+ones: a mean over the rows a mask keeps, the hardest row picked by ``l[l.argmax()]``, a Gram
+matrix summed over the rows through ``einsum`` or ``tensordot``, sorted rows weighted by rank.
+Each is refused at the first split with the state unchanged; declared with ``items=`` (or as a
+sum under ``reduction="sum"``), the masked mean splits exactly."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from autobatch import AutobatchError, retry_on_oom
+from autobatch.testing import inject_oom
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _per_row(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o, y, reduction="none")
+
+
+DISGUISED: dict[str, tuple[Loss, str]] = {  # the loss, what the refusal names
+    "a mean over the rows a mask keeps": (
+        lambda o, y: _per_row(o, y)[y > 0].mean(), "a mask or an index"),
+    "a cross-entropy over the rows a mask keeps": (
+        lambda o, y: F.cross_entropy(o[y > 0], y[y > 0]), "mask"),
+    "the hardest row, by argmax": (
+        lambda o, y: (lambda per_row: per_row[per_row.argmax()])(_per_row(o, y)), "argmax"),
+    "a Gram matrix through einsum": (
+        lambda o, y: torch.einsum("bi,bj->ij", o, o).mean(), "sum over the batch's rows"),
+    "a Gram matrix through tensordot": (
+        lambda o, y: torch.tensordot(o, o, dims=([0], [0])).mean(), "sum over the batch's rows"),
+    "sorted rows weighted by rank": (
+        lambda o, y: (_per_row(o, y).sort().values * torch.linspace(0, 1, len(y))).mean(),
+        "rank"),
+}
+
+
+def _make(loss: Loss, **options: Any) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        loss(model(batch[0]), batch[1]).backward()
+        opt.step()
+
+    return model, opt, step, retry_on_oom(optimizer=opt, **options)(step)
+
+
+def _batch(call: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + call)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()] + [
+        v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("at_call", [0, 2])
+@pytest.mark.parametrize("name", list(DISGUISED))
+def test_a_loss_coupling_rows_in_disguise_is_refused_with_the_state_unchanged(
+    name: str, at_call: int
+) -> None:
+    loss, named = DISGUISED[name]
+    model, opt, _, step = _make(loss)
+    for call in range(at_call):
+        step(_batch(call))
+    before = _state(model, opt)
+    with inject_oom(batch_over=8), pytest.raises(AutobatchError) as refused:
+        step(_batch(at_call))
+    assert named in str(refused.value)
+    assert "test_coupling_in_disguise.py" in str(refused.value)  # the user's line
+    after = _state(model, opt)
+    assert len(after) == len(before)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("form", ["items=", "reduction='sum'"])
+def test_the_masked_mean_declared_splits_exactly(form: str) -> None:
+    if form == "items=":
+        loss: Loss = DISGUISED["a mean over the rows a mask keeps"][0]
+        options: dict[str, Any] = {"items": lambda batch: (batch[1] > 0).sum()}
+    else:
+        def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return _per_row(o, y)[y > 0].sum()
+        options = {"reduction": "sum"}
+    reference, _, plain, _ = _make(loss)
+    model, _, _, step = _make(loss, **options)
+    for call in range(3):
+        plain(_batch(call))
+        with inject_oom(batch_over=8) if call < 2 else contextlib.nullcontext():
+            step(_batch(call))
+    assert step.stats.ooms >= 1
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_sorted_rows_averaged_alike_still_split_exactly() -> None:
+    """A sort alone is a permutation of the rows: their mean is the batch's."""
+    def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _per_row(o, y).sort().values.mean() * torch.ones(()).squeeze()
+
+    reference, _, plain, _ = _make(loss)
+    model, _, _, step = _make(loss)
+    plain(_batch(0))
+    with inject_oom(batch_over=8):
+        step(_batch(0))
+    assert step.stats.ooms == 1
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
