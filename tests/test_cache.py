@@ -695,6 +695,6 @@ def test_a_hit_whose_largest_size_no_longer_trains_is_measured_again(
     assert found[0] > 3 * found[1]
     with SimulatedGPU("48MiB", adopt=[model]):  # (the same step again: a hit, confirmed)
         again = search_batch_size(model, sample, None, step_fn=step, cache=tmp_path)
-    assert any("from the cache" in note and "trained in a trial" in note for note in again.notes)
+    assert any("from the cache" in note and "trained in trials" in note for note in again.notes)
     assert again.max_batch_size == found[1]
     _COPIES[0] = 1

@@ -631,8 +631,9 @@ def test_library_cache_reuses_a_result_for_the_same_setup(tmp_path: Any) -> None
         first = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, cache=tmp_path)
         ran = len(calls)
         again = search_batch_size(model, sample, torch.optim.SGD, loss_fn=CE, cache=tmp_path)
-        # the stored result was used, after one trial at its largest size (five steps)
-        assert calls[ran:] == [first.max_batch_size] * 5
+        # the stored result was used, after a trial at its largest size and one at its
+        # recommended size (five steps each)
+        assert calls[ran:] == [first.max_batch_size] * 5 + [first.batch_size] * 5
         ran = len(calls)
         other = search_batch_size(model, sample, torch.optim.Adam, loss_fn=CE, cache=tmp_path)
         assert len(calls) > ran + 5  # another optimizer is another setup

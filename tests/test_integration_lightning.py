@@ -674,3 +674,45 @@ def test_22_4_with_logging_set_up_no_line_is_shown_twice(
     assert len(trials) == len(found.result.trials)
     assert "autobatch: trial" not in capsys.readouterr().err  # progress adds no second line
     assert len([r for r in records if "AutobatchCallback set" in r.getMessage()]) == 1
+
+
+class _Counting(pl.LightningModule):
+    """A warm-up weight from a counter on ``self``: micro-batches must weigh alike."""
+
+    def __init__(self, oom_over: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.steps, self.oom_over = 0, oom_over
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, y = batch
+        if self.oom_over and len(x) > self.oom_over:
+            raise OOM_KINDS["cuda"]()
+        warm = min(1.0, 0.25 + 0.25 * self.steps)
+        self.steps += 1
+        return warm * F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 8, generator=g),
+                             torch.randint(0, 3, (64,), generator=g))
+        return DataLoader(data, batch_size=32, shuffle=False)
+
+
+def test_a_counter_on_the_module_s_self_counts_each_batch_once() -> None:
+    quiet: dict[str, Any] = {
+        "accelerator": "cpu", "max_epochs": 1, "logger": False, "enable_progress_bar": False,
+        "enable_checkpointing": False, "enable_model_summary": False, "precision": "64-true"}
+    plain = _Counting()
+    pl.Trainer(**quiet).fit(plain)
+    guarded = _Counting(oom_over=16)
+    callback = AutobatchCallback(find=False)
+    pl.Trainer(callbacks=[callback], **quiet).fit(guarded)
+    assert callback.stats.ooms == 1
+    assert guarded.steps == plain.steps == 2
+    for a, b in zip(guarded.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

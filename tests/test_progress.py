@@ -88,7 +88,9 @@ def test_find_max_batch_takes_the_same_watchers(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().err.count("autobatch: trial") == len(seen)
 
 
-def test_a_cached_answer_runs_one_trial_at_its_largest_size(tmp_path: Path) -> None:
+def test_a_cached_answer_runs_one_trial_at_its_largest_and_recommended_sizes(
+    tmp_path: Path,
+) -> None:
     model, sample = _setup()
     first: list[Trial] = []
     again: list[Trial] = []
@@ -100,7 +102,8 @@ def test_a_cached_answer_runs_one_trial_at_its_largest_size(tmp_path: Path) -> N
                           on_trial=again.append)
     assert first
     largest = max(t.size for t in first if t.fits)
-    assert [(t.size, t.fits) for t in again] == [(largest, True)]
+    recommended = first[-1].size
+    assert [(t.size, t.fits) for t in again] == [(largest, True), (recommended, True)]
 
 
 def test_a_failing_watcher_stops_the_search_and_leaves_the_state() -> None:

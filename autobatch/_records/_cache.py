@@ -634,10 +634,10 @@ def _cached(
             if confirm is None or confirm(result):
                 note = f"from the cache ({file}); cache=False measures again"
                 if confirm is not None:
-                    note += " (its largest size trained in a trial just now)"
+                    note += " (its largest and recommended sizes trained in trials just now)"
                 return replace(result, notes=(*result.notes, note)), file
             logger.warning("the cached answer in %s ran out of memory in a trial at its largest "
-                           "size: measuring again", file)
+                           "or recommended size: measuring again", file)
     result = run()
     store.put(name, encode(result))
     return result, None

@@ -110,8 +110,10 @@ class SearchResult:
         ``smallest_failing`` up does not. Under one (CUDA's) fitting is not monotone: a size
         below the largest can need one more segment than the capacity leaves, and fail. The
         search's replay of the allocator (where the backend has one: the simulated GPU, and
-        CUDA or ROCm under the settings the model covers) then says which sizes fit; without
-        it, a size no trial ran is unknown. A record read back from the cache holds no replay.
+        CUDA or ROCm under the settings the model covers) then says which sizes fit: below the
+        trials it was worked out from only where it gives the smaller trials' peaks too (not
+        for a step that takes another graph there, or pads its batch); without it, a size no
+        trial ran is unknown. A record read back from the cache holds no replay.
 
         >>> from autobatch._search import Verdicts
         >>> replay = Verdicts(lambda n: None if 5 <= n <= 6 or n > 8 else (n, 2 * n))
@@ -124,8 +126,11 @@ class SearchResult:
         ran = [t for t in self.trials if t.size == size]
         if ran:
             return ran[-1].fits
-        if isinstance(self._replay, Verdicts):
-            return self._replay.peak_at(size) is not None
+        replay = self._replay
+        if isinstance(replay, Verdicts) and (
+            replay.floor is None or size >= replay.floor or self._replay_below_floor
+        ):
+            return replay.peak_at(size) is not None
         if self._caches:
             return None
         if self.smallest_failing is not None and size >= self.smallest_failing:
@@ -136,6 +141,17 @@ class SearchResult:
     def _replay(self) -> Callable[[int], int] | None:
         """The search's replay of the device's allocator, where it gave every trial right."""
         return trusted_curve(self.trials, self.capacity_bytes)
+
+    @functools.cached_property
+    def _replay_below_floor(self) -> bool:
+        """Whether the replay also gives the peak of every trial below the sizes it was worked
+        out from (the same graph there: an MLP's; not a model that pads its batch)."""
+        replay = self._replay
+        assert isinstance(replay, Verdicts)
+        below = [t for t in self.trials if replay.floor is not None and t.size < replay.floor]
+        return bool(below) and all(
+            t.fits and t.peak_bytes is not None and replay.peak_at(t.size) == t.peak_bytes
+            for t in below)
 
     @property
     def _caches(self) -> bool:

@@ -73,6 +73,7 @@ from autobatch._recovery._rules import (
     Verdict,
     Write,
     _describe,
+    assigned_early,
     refusal,
     unseen_write,
 )
@@ -130,27 +131,17 @@ def see_optimizer_steps() -> None:
 
 def _registering(module: nn.Module, name: str, before: Any) -> None:
     """A buffer, parameter or submodule assigned into one of a step's modules (another object
-    than it held): in a micro-batch before the last, outside every module's forward (where a
-    module's own state changes per micro-batch, as BatchNorm's statistics do), it would be
-    assigned once per micro-batch, each from the state the one before left: refused, before it
-    is assigned."""
+    than it held): refused in a micro-batch before the last outside every forward
+    (:func:`._rules.assigned_early`); otherwise kept, to be put back with the piece or batch."""
     ledger = watching()
     if ledger is None:
         return
-    if not (ledger.early and ledger.records) or _forward_module() is not None:
-        if ledger.is_open:  # (put back with the piece or the batch: self.n = self.n + 1)
-            key = ("registered", id(before[0]), name)
-            ledger.piece.keep(key, before, _attempt.put_registered)
-            ledger.batch.keep(key, before, _attempt.put_registered)
-        return
-    raise refusal(
-        ledger.host.name, f"assigned {type(module).__name__}.{name} (a buffer, parameter or "
-        "submodule) outside its module's forward", user_frame(),
-        "it would be assigned once per micro-batch instead of once per batch, each time from "
-        "what the micro-batch before left (a functional EMA, a new head)",
-        "assign it after the decorated step returns, or update the buffer in place "
-        "(autobatch then refuses or keeps it by the rules for writes), or in its module's forward",
-    )
+    if ledger.early and ledger.records and _forward_module() is None:
+        raise assigned_early(ledger.host.name, type(module).__name__, name)
+    if ledger.is_open:  # (self.n = self.n + 1 on a buffer, in a forward)
+        key = ("registered", id(before[0]), name)
+        ledger.piece.keep(key, before, _attempt.put_registered)
+        ledger.batch.keep(key, before, _attempt.put_registered)
 
 
 _attempt.REGISTERING.append(_registering)

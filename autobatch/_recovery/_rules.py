@@ -172,7 +172,11 @@ REFUSED: tuple[str, ...] = (
     "surgery)",
     "an optimizer hyperparameter changed in the step: an LR scheduler not given as "
     "`scheduler=`, or an `lr` changed by hand; a scheduler stepped with arguments "
-    "(`ReduceLROnPlateau`)",
+    "(`ReduceLROnPlateau`); a parameter group added (`add_param_group`) in a micro-batch "
+    "before the last",
+    "a buffer, parameter or submodule assigned into the step's modules outside every forward, "
+    "in a micro-batch before the last (`model.loss_ema = 0.9 * model.loss_ema + ...`, a new "
+    "head): each micro-batch would assign it anew",
     "an optimizer the decorator was not given stepping in a micro-batch; a step that "
     "interleaves optimizers (a GAN's discriminator, then its generator: decorate each part)",
     "a gradient hook on a parameter (`register_hook`), which would see each micro-batch's "
@@ -186,8 +190,9 @@ REFUSED: tuple[str, ...] = (
     "`backward()` calls, an optimizer, scaler or scheduler step the first did not take): a "
     "decision from Python state the step keeps in a list or an object other than its own "
     "(`calls.append(1); if len(calls) % 2 == 0: opt.step()`; a number in its closure, in a "
-    "dict there or on its `self` is put back before each micro-batch, and decides as the "
-    "batch does), a branch on a micro-batch's values",
+    "dict there, in a global it assigns, on its `self` or on a module or an object of one's "
+    "own it holds is put back before each micro-batch, and decides as the batch does), a "
+    "branch on a micro-batch's values",
     "a bare `@retry_on_oom` (no `optimizer=`, no `policy=`) on a step known to call "
     "`optimizer.step()`: each micro-batch would take its own step (where the first sign of it "
     "is a micro-batch's step, a warning names the optimizer instead)",
@@ -197,9 +202,10 @@ REFUSED: tuple[str, ...] = (
     "output of `(N,)` against a target of `(N, 1)` that broadcasts to N × N), a max, min, "
     "sort, top-k, softmax, cumulative sum or normalisation over the rows, a sum over "
     "the rows used non-linearly or with the rows themselves (`x - x.mean(0)`), part of the "
-    "rows (a slice, the first row as anchor), and a mean whose count depends on the batch's "
-    "content (`l.sum() / mask.sum()`, `ignore_index` or class weights that leave rows with "
-    "different counts) without `items=`; the refusal names the operator and the line that "
+    "rows (a slice, the first row as anchor, the row an argmax picks: `l[l.argmax()]`), rows "
+    "weighted by their rank after a sort, and a mean whose count depends on the batch's "
+    "content (`l.sum() / mask.sum()`, `l[mask].mean()`, `ignore_index` or class weights that "
+    "leave rows with different counts) without `items=`; the refusal names the operator and the line that "
     "mixed the rows, and for a loss over the whole batch's embeddings points to "
     "`embed_in_pieces`",
     "a loss of another kind than `reduction=` weighs, found the same way: a sum over the "
@@ -222,6 +228,19 @@ def refusal(step: str, what: str, where: str, why: str, fix: str) -> Refusal:
         f"{step} {what}, at {where}, while its batch ran in micro-batches after an "
         f"out-of-memory error: {why}. The batch was not split and nothing of it was kept. To "
         f"fix: {fix}"
+    )
+
+
+def assigned_early(step: str, owner: str, name: str) -> Refusal:
+    """A buffer, parameter or submodule assigned outside every forward in a micro-batch before
+    the last (a functional EMA, a new head): each micro-batch would assign it anew, from what
+    the one before left."""
+    return refusal(
+        step, f"assigned {owner}.{name} (a buffer, parameter or submodule) outside its module's "
+        "forward", user_frame(), "it would be assigned once per micro-batch instead of once per "
+        "batch, each time from what the micro-batch before left (a functional EMA, a new head)",
+        "assign it after the decorated step returns, or in its module's forward, or update the "
+        "buffer in place (autobatch then keeps or refuses it by the rules for writes)",
     )
 
 

@@ -132,7 +132,8 @@ def search_batch_size(
         start, prior, plan, sync_ranks, cache, on_trial, progress: See above.
 
     Raises:
-        BatchSizeError: Even ``min_batch`` does not fit (with the bytes needed and the capacity).
+        BatchSizeError: Even ``min_batch`` does not fit (with the capacity, and the bytes needed
+            where the trials measured a line to predict them from).
     """
     spec = SearchSpec(
         loss_fn, step_fn, train, min_batch, max_batch, multiple_of, headroom, steps_per_trial,
@@ -159,16 +160,18 @@ def search_batch_size(
             )
 
         def confirmed(hit: SearchResult) -> bool:
-            """Whether a cached answer's largest size trains now, in one trial (the key
-            cannot see everything that sets a step's memory: a global it reads, say)."""
-            size = hit.max_batch_size
-            once = dataclasses.replace(spec, min_batch=size, max_batch=size, headroom=0.0)
-            try:
-                _measured_search(model, sample, optimizer, target, memory, once, start=None,
-                                 prior=None, plan=False, sync_ranks=sync_ranks,
-                                 on_trial=each_trial)
-            except BatchSizeError:
-                return False
+            """Whether a cached answer's largest and recommended sizes train now, in a trial
+            each (the key cannot see everything that sets a step's memory: a global it reads,
+            say; and a fit map with gaps lets the largest train where a smaller size does
+            not)."""
+            for size in dict.fromkeys((hit.max_batch_size, hit.batch_size)):
+                once = dataclasses.replace(spec, min_batch=size, max_batch=size, headroom=0.0)
+                try:
+                    _measured_search(model, sample, optimizer, target, memory, once,
+                                     start=None, prior=None, plan=False, sync_ranks=sync_ranks,
+                                     on_trial=each_trial)
+                except BatchSizeError:
+                    return False
             return True
 
         if store is None or (sync_ranks and _distributed.active()):
@@ -511,9 +514,9 @@ def _with_options_of(search: Callable[P, SearchResult]) -> Callable[[Callable[..
 
 @_with_options_of(search_batch_size)
 def find_max_batch(*args: Any, **kwargs: Any) -> int:
-    """The recommended batch size: the largest whose measured peak leaves ``headroom`` of the
-    device free (5% by default), found with real training steps; ``headroom=0`` returns the exact
-    largest batch that fits.
+    """The recommended batch size: the largest size that fits with real training steps, less
+    ``headroom`` of its rows (a tenth by default), proven by a trial of its own; ``headroom=0``
+    returns the exact largest batch that fits.
 
     Takes exactly the arguments of :func:`search_batch_size` and returns its
     ``result.batch_size``; see it for every option.
@@ -527,6 +530,7 @@ def find_max_batch(*args: Any, **kwargs: Any) -> int:
     True
 
     Raises:
-        BatchSizeError: Even ``min_batch`` does not fit (with the bytes needed and the capacity).
+        BatchSizeError: Even ``min_batch`` does not fit (with the capacity, and the bytes needed
+            where the trials measured a line to predict them from).
     """
     return search_batch_size(*args, **kwargs).batch_size

@@ -5,7 +5,10 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import random
+import sys
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +34,40 @@ def state_referenced(*objects: Any) -> list[Any]:
     True
     """
     return _referenced(
-        (torch.optim.Optimizer, torch.amp.GradScaler, torch.optim.lr_scheduler.LRScheduler),
+        (torch.optim.Optimizer, torch.amp.GradScaler, torch.optim.lr_scheduler.LRScheduler,
+         *_generator_types()),
         objects,
     )
+
+
+def _generator_types() -> tuple[type, ...]:
+    """Random-number generators of one's own (``torch.Generator``, ``random.Random``, NumPy's
+    ``Generator`` and ``RandomState``, where NumPy is imported): a step that draws from one
+    finds it as the search found it."""
+    numpy = sys.modules.get("numpy")
+    found: tuple[type, ...] = (torch.Generator, random.Random)
+    return found if numpy is None else (*found, numpy.random.Generator, numpy.random.RandomState)
+
+
+def _generator_state(generator: Any) -> Any:
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if hasattr(generator, "bit_generator"):  # (NumPy's Generator)
+        return copy.deepcopy(generator.bit_generator.state)
+    return generator.get_state()
+
+
+def _put_generator_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = copy.deepcopy(state)
+    else:
+        generator.set_state(state)
 
 
 #: How far :func:`_referenced` follows references from the objects it is given, and the most
@@ -260,9 +294,10 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 def _save_attributes(module: torch.nn.Module) -> _Attributes:
     """A module's own data attributes beside its parameters and buffers (a recurrent model's
-    last hidden state kept as ``self.hidden``, a call count, a dict of cached tensors): a
-    trial's forward may set them, and the next trial, or the user's next step, would read
-    them. Tensors are copied to host memory, dicts and lists shallowly."""
+    last hidden state kept as ``self.hidden``, or as an LSTM's ``(h, c)``, a call count, a dict
+    of running tensors): a trial's forward may set them, and the next trial, or the user's next
+    step, would read them. Tensors are copied to host memory, also inside dicts, lists and
+    tuples (whose own contents are copied shallowly)."""
     kept: dict[str, tuple[Any, Any]] = {}
     for key, value in vars(module).items():
         if key in _MODULE_INTERNALS:
@@ -272,9 +307,19 @@ def _save_attributes(module: torch.nn.Module) -> _Attributes:
                 kept[key] = (value, _host_copy(value))
         elif isinstance(value, (int, float, bool, str, type(None))):
             kept[key] = (value, value)
-        elif isinstance(value, (dict, list)):
-            kept[key] = (value, copy.copy(value))
+        elif isinstance(value, (dict, list, tuple)):
+            inner = [(t, _host_copy(t)) for t in _tensors_in(value) if _plain(t)]
+            kept[key] = (value, (copy.copy(value), inner))
     return set(vars(module)), kept
+
+
+def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    """The tensors in a dict, list or tuple attribute, ``depth`` containers deep."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth and isinstance(value, (dict, list, tuple)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _tensors_in(item, depth - 1)
 
 
 def holds_bytes(tensor: torch.Tensor) -> bool:
@@ -296,21 +341,25 @@ def _plain(tensor: torch.Tensor) -> bool:
 
 
 def _put_attributes(module: torch.nn.Module, saved: _Attributes) -> None:
-    """Put back what :func:`_save_attributes` saved; a tensor a trial set on a name the
-    module did not have is let go."""
+    """Put back what :func:`_save_attributes` saved; tensors a trial set on a name the module
+    did not have (alone, or in a dict, list or tuple) are let go."""
     names, kept = saved
     state = vars(module)
-    for key in [k for k, v in state.items()
-                if k not in names and isinstance(v, torch.Tensor) and _plain(v)]:
+    for key in [k for k, v in state.items() if k not in names and any(
+            _plain(t) for t in _tensors_in(v))]:
         del state[key]
     for key, (original, copied) in kept.items():
         if isinstance(original, torch.Tensor):
             _put_back(original, copied)
-        elif isinstance(original, dict):
-            original.clear()
-            original.update(copied)
-        elif isinstance(original, list):
-            original[:] = copied
+        elif isinstance(original, (dict, list, tuple)):
+            contents, inner = copied
+            for tensor, host in inner:
+                _put_back(tensor, host)
+            if isinstance(original, dict):
+                original.clear()
+                original.update(contents)
+            elif isinstance(original, list):
+                original[:] = contents
         state[key] = original
 
 
@@ -365,7 +414,10 @@ class SavedState:
         self.params = list(every.values())
         self.grads = _Gradients(self.params)
         self.optimizer_states = [self._save_optimizer(o) for o in self.optimizers]
-        self.extras = [(obj, self._save_object(obj)) for obj in extras]
+        generators = _generator_types()
+        self.generators = [(g, _generator_state(g)) for g in extras if isinstance(g, generators)]
+        self.extras = [(obj, self._save_object(obj)) for obj in extras
+                       if not isinstance(obj, generators)]
         self.rng = save_rng_states(host=True)
 
     @staticmethod
@@ -426,6 +478,8 @@ class SavedState:
         for optimizer, entries in zip(self.optimizers, self.optimizer_states, strict=True):
             self._restore_optimizer(optimizer, entries)
         restore_rng_states(self.rng)
+        for generator, state in self.generators:
+            _put_generator_state(generator, state)
 
     def put_back_attributes(self) -> None:
         """The modules' own data attributes as saved (see :func:`_save_attributes`): before
