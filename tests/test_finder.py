@@ -9,6 +9,7 @@ import pytest
 import torch
 from _models import Branchy, fits_two_steps, fresh_loop_fits
 from torch import nn
+from torch.nn import functional as F
 
 import autobatch
 from autobatch import BatchSizeError, find_max_batch, search_batch_size
@@ -429,6 +430,27 @@ def test_size_limit_errors_count_as_not_fitting_with_the_reason() -> None:
     result = search_batch_size(model, torch.randn(3, 4), None, step_fn=step, max_batch=500, headroom=0)
     assert result.max_batch_size == 100
     assert any(t.error and t.error.startswith("size_limit") for t in result.trials)
+    assert any("not by the device's memory" in note for note in result.notes)
+
+
+def test_a_size_limit_under_a_replay_is_bisected_not_walked_down() -> None:
+    """The allocator's replay says memory fits far above a limit that is not memory: sizes
+    are then bisected, not walked down one row at a time from where the limit showed."""
+    model = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    def step(m: nn.Module, batch: Any) -> None:
+        x, y = batch
+        if x.shape[0] > 300:
+            raise RuntimeError("input tensor must fit into 32-bit index math")
+        F.cross_entropy(m(x), y).backward()
+
+    with SimulatedGPU("16MiB") as gpu:
+        gpu.adopt(model)
+        result = search_batch_size(model, (torch.randn(4, 128), torch.randint(0, 10, (4,))),
+                                   None, step_fn=step)
+    assert result.max_batch_size == 300
+    assert len(result.trials) <= 16
+    assert any("not by the device's memory" in note for note in result.notes)
 
 
 def test_inference_batch_is_larger_than_training_batch() -> None:
@@ -887,3 +909,5 @@ def test_an_optimizer_that_needs_a_closure_and_a_lazy_model_are_told_what_to_do(
     lazy = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, 4))
     with pytest.raises(ValueError, match="run the model once on a sample"):
         search_batch_size(lazy, sample, torch.optim.SGD, loss_fn=CE, max_batch=64)
+    with pytest.raises(ValueError, match="run the model once on a sample"):  # (the planner too)
+        autobatch.plan_max_batch(lazy, sample, torch.optim.SGD, capacity="1GiB", loss_fn=CE)

@@ -278,6 +278,8 @@ class ModelGuided:
             return self.first_size
         curve = trusted_curve(state.trials, capacity) or trusted_curve(
             state.trials, capacity, tolerance=REPLAY_TOLERANCE)
+        if any(not t.fits and t.error and "size_limit" in t.error for t in state.trials):
+            return self.fallback.next_size(state)  # (a limit no memory curve places: bisected)
         if curve is not None:
             try:
                 return self._curve_size(state, curve, capacity)

@@ -301,6 +301,14 @@ def _measured_search(
                 "by a trial on the sample's rows, and other rows, or weights further into "
                 "training, may need more; the recommended size leaves room for that"
             )
+        failing = min((t for t in outcome.trials if not t.fits), key=lambda t: t.size,
+                      default=None)
+        if failing is not None and failing.error and "size_limit" in failing.error:
+            notes.append(
+                f"batch {failing.size} failed with an error that depends on the batch size but "
+                f"is not out of memory ({failing.error}): the largest size is set by that "
+                "limit, not by the device's memory"
+            )
         below = sorted(t.size for t in outcome.trials if not t.fits and t.size < outcome.largest_fit)
         if below:
             notes.append(

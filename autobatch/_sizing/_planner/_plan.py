@@ -43,6 +43,7 @@ from autobatch._sizing._workload import (
     Sample,
     SearchSpec,
     StepFn,
+    check_initialized,
     collated,
 )
 from autobatch._units import format_bytes, parse_bytes
@@ -179,6 +180,7 @@ def plan_max_batch(
     """
     spec = SearchSpec(loss_fn, step_fn, train, min_batch, max_batch, multiple_of, headroom, 1, None)
     check_module("model", model)
+    check_initialized(model)
     sample = collated(sample, on_host=True)  # a list of per-row examples: one batch
     try:
         device_type = torch.device(device).type
