@@ -107,3 +107,62 @@ def test_question_answering_past_the_sequence_is_refused_under_the_trainer(
     assert oom.fired == 1
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+def _ctc_model(reduction: str) -> Any:
+    torch.manual_seed(0)
+    return transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 4),
+        num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+        activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+        layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0, ctc_loss_reduction=reduction,
+        pad_token_id=0, do_stable_layer_norm=True, feat_extract_norm="layer")).double()
+
+
+@pytest.mark.usefixtures("float64")
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_ctc_head_splits_exactly(reduction: str) -> None:
+    """transformers' CTC loss picks every row's targets with ``masked_select`` (concatenated,
+    with their lengths): followed as each element's row, a per-row loss."""
+    g = torch.Generator().manual_seed(1)
+    labels = torch.randint(1, 12, (ROWS, 5), generator=g)
+    labels[torch.arange(5) >= torch.randint(1, 6, (ROWS, 1), generator=g)] = -100
+    batch = {"input_values": torch.randn(ROWS, 400, generator=g), "labels": labels}
+    reference, model = _ctc_model(reduction), _ctc_model(reduction)
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    plain_opt.zero_grad()
+    reference(**batch).loss.backward()
+    plain_opt.step()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @retry_on_oom(optimizer=opt, reduction="sum" if reduction == "sum" else "mean")
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+
+    with inject_oom(batch_over=ROWS // 2):
+        step(batch)
+    assert step.stats.ooms == 1
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.usefixtures("float64")
+def test_a_mean_over_masked_select_is_refused_without_items() -> None:
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, y = batch
+        opt.zero_grad()
+        losses = nn.functional.cross_entropy(net(x), y, reduction="none")
+        losses.masked_select(y > 0).mean().backward()
+        opt.step()
+
+    g = torch.Generator().manual_seed(2)
+    with inject_oom(batch_over=4), pytest.raises(AutobatchError, match="a mask or an index"):
+        step((torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)))

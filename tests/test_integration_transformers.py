@@ -976,7 +976,8 @@ def test_the_exactness_matrix_names_tests_that_exist_and_every_head() -> None:
     root = Path(__file__).resolve().parent
     page = (root.parent / "docs" / "exactness_matrix.md").read_text()
     defined = set()
-    for name in ("test_integration_transformers.py", "test_integration_lightning.py"):
+    for name in ("test_integration_transformers.py", "test_integration_lightning.py",
+                 "test_heads_edges.py"):
         defined |= set(re.findall(r"^def (test_\w+)", (root / name).read_text(), flags=re.M))
     named = set(re.findall(r"`(test_\w+)", page))
     assert named

@@ -208,6 +208,25 @@ def _picked(t: torch.Tensor, tag: Tag, index: Any, *, made: bool) -> torch.Tenso
         return base[flat]
 
 
+def masked_select(op: Op) -> None:
+    """``x.masked_select(mask)``: the elements a mask keeps, in order, each of its row (the
+    targets of every row, concatenated, as CTC losses take them); a mean over them counts the
+    batch's content, which :func:`._row_ops.selected` sees."""
+    rows = op.rows()
+    if not rows or op.aggregates() or not op.outputs() or not op.orders_agree():
+        fallback(op)
+        return
+    shape = torch.broadcast_shapes(*(a.shape for a in op.args[:2] if isinstance(a, torch.Tensor)))
+    t, tag = rows[0]
+    if tag.inner != 1 or tag.dim + len(shape) - t.dim() != 0:
+        fallback(op)
+        return
+    with engine_work(), torch.no_grad():
+        base = ids(t, tag).reshape(-1, *[1] * (len(shape) - 1)).expand(shape)
+        order = base[op.args[1].expand(shape).bool()]
+    op.put_all(0, inner=1, order=order)
+
+
 def _identity(index: Any, size: int) -> bool:
     """Whether ``index`` names each index of a dimension of ``size`` once, in order."""
     if not isinstance(index, torch.Tensor) or index.is_floating_point() or index.numel() != size:
