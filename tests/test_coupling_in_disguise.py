@@ -120,3 +120,91 @@ def test_sorted_rows_averaged_alike_still_split_exactly() -> None:
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
+
+
+def _ranked(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    rank = torch.linspace(0, 1, len(y))
+    return torch.einsum("b,b->", _per_row(o, y).sort().values, rank) / len(y)
+
+
+MORE: dict[str, tuple[Loss, dict[str, Any], str]] = {  # loss, options, what the refusal names
+    "the hardest row, by a sort": (
+        lambda o, y: _per_row(o, y).sort(descending=True).values[0], {}, "some of the batch"),
+    "the hardest row, by argsort": (
+        lambda o, y: (lambda r: r[r.argsort()[-1]])(_per_row(o, y)), {}, "some of the batch"),
+    "the first row": (lambda o, y: _per_row(o, y)[0], {}, "some of the batch"),
+    "two rows added": (
+        lambda o, y: (_per_row(o, y)[0] + _per_row(o, y)[1]) / 2, {}, "some of the batch"),
+    "a mean and the worst row": (
+        lambda o, y: _per_row(o, y).mean() + 0.1 * _per_row(o, y).sort().values[-1], {},
+        "one row"),
+    "rows weighted by position": (
+        lambda o, y: (_per_row(o, y) * torch.linspace(0, 1, len(y))).mean(), {}, "place"),
+    "rows discounted by position": (
+        lambda o, y: (_per_row(o, y) * 0.9 ** torch.arange(len(y))).sum() / len(y), {},
+        "place"),
+    "rank weights through einsum": (_ranked, {}, "place"),
+    "the first twelve rows": (
+        lambda o, y: F.cross_entropy(o[:12], y[:12]), {}, "a slice"),
+    "a masked mean squared, items=": (
+        lambda o, y: _per_row(o, y)[y > 0].mean() ** 2,
+        {"items": lambda b: (b[1] > 0).sum()}, "pow"),
+    "two masked means, items=": (
+        lambda o, y: _per_row(o, y)[y > 1].mean() + _per_row(o, y)[y <= 1].mean(),
+        {"items": lambda b: (b[1] > 1).sum()}, "different picks"),
+    "a capped loss, items=": (
+        lambda o, y: F.cross_entropy(o, y).clamp(max=1.2), {"items": lambda b: len(b[1])},
+        "clamp"),
+}
+
+
+@pytest.mark.parametrize("name", list(MORE))
+def test_more_disguised_couplings_are_refused_with_the_state_unchanged(name: str) -> None:
+    loss, options, named = MORE[name]
+    model, opt, _, step = _make(loss, **options)
+    before = _state(model, opt)
+    with inject_oom(batch_over=8), pytest.raises(AutobatchError) as refused:
+        step(_batch(0))
+    assert named in str(refused.value)
+    after = _state(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def _tokens(o: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token logits (rows x 2 tokens x classes), labels, and a mask of two tokens per row
+    on even rows and one on odd rows."""
+    logits = torch.stack([o, o.flip(1)], 1)
+    labels = torch.stack([y, (y + 1) % 4], 1)
+    mask = torch.ones_like(labels, dtype=torch.bool)
+    mask[1::2, 1] = False
+    return logits, labels, mask
+
+
+EXACT: dict[str, tuple[Loss, dict[str, Any]]] = {
+    "flattened tokens picked by a mask (transformers' active_loss), items=": (
+        lambda o, y: (lambda lg, lb, m: F.cross_entropy(lg.view(-1, 4)[m.view(-1)],
+                                                        lb.view(-1)[m.view(-1)]))(*_tokens(o, y)),
+        {"items": lambda b: 2 * len(b[1]) - len(b[1][1::2])}),
+    "a masked mean, the same count on every row": (
+        lambda o, y: (lambda lg, lb, m: F.cross_entropy(lg[m], lb[m]))(
+            *_tokens(o, y)[:2], torch.ones(len(y), 2, dtype=torch.bool)), {}),
+    "a sum by a float length": (lambda o, y: _per_row(o, y).sum() / float(len(y)), {}),
+    "a sum by a tensor length": (lambda o, y: _per_row(o, y).sum() / torch.tensor(len(y)), {}),
+    "a sum times the reciprocal length": (
+        lambda o, y: _per_row(o, y).sum() * (1.0 / len(y)), {}),
+    "a loop over every row": (
+        lambda o, y: sum(_per_row(o, y)[i] for i in range(len(y))) / len(y), {}),  # type: ignore[misc]
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_per_row_forms_near_the_refused_ones_split_exactly(name: str) -> None:
+    loss, options = EXACT[name]
+    reference, _, plain, _ = _make(loss)
+    model, _, _, step = _make(loss, **options)
+    plain(_batch(0))
+    with inject_oom(batch_over=8):
+        step(_batch(0))
+    assert step.stats.ooms == 1
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 from typing import Any
 
@@ -284,3 +285,146 @@ def test_a_parameter_group_added_in_a_micro_batch_is_refused_with_the_state_unch
         step(_batch(1))
     assert len(opt.param_groups) == 1
     assert calls[0] == 1
+
+
+def _read_and_count(kind: str) -> Any:
+    def make() -> tuple[nn.Module, Any, Any]:
+        model = _model()
+        opt = _opt(model)
+        state: dict[str, Any] = {"running": 0.0, "epoch": 0.0, "steps": 0, "positives": 0}
+
+        def step(batch: Any) -> None:
+            x, y = batch
+            opt.zero_grad()
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            state["running"] += loss.item()  # (a mean read: the rule must not spread)
+            if kind == "epoch":
+                state["epoch"] += len(x) / 64  # (a float that counts rows)
+            else:  # a counter, beside a sum read that may be 1 in a micro-batch
+                state["steps"] += 1
+                state["positives"] += int((y == 3).sum().item() > 0)
+
+        return model, step, lambda: dict(state)
+    return make
+
+
+@pytest.mark.parametrize("kind", ["epoch", "steps"])
+def test_counters_beside_reads_of_the_loss_end_as_unsplit(kind: str) -> None:
+    plain, split = _run(_read_and_count(kind))
+    assert split["epoch"] == pytest.approx(plain["epoch"], rel=1e-12)
+    assert split["steps"] == plain["steps"]
+    assert split["running"] == pytest.approx(plain["running"], rel=1e-12)
+
+
+def test_a_scheduler_given_ends_at_the_unsplit_learning_rate_beside_a_loss_read() -> None:
+    def make() -> tuple[nn.Module, Any, Any]:
+        model = _model()
+        opt = _opt(model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        _SCHEDULERS[id(model)] = sched
+        total = [0.0]
+
+        def step(batch: Any) -> None:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(batch[0]), batch[1])
+            loss.backward()
+            opt.step()
+            sched.step()
+            total[0] += loss.item()
+
+        return model, step, lambda: (opt.param_groups[0]["lr"], total[0])
+
+    plain_model, plain, read_plain = make()
+    for call in range(4):
+        plain(_batch(call))
+    model, step, read = make()
+    guarded = retry_on_oom(optimizer=_OPTS[id(model)], scheduler=_SCHEDULERS[id(model)])(step)
+    for call in range(4):
+        with inject_oom(batch_over=8) if call == 1 else contextlib.nullcontext():
+            guarded(_batch(call))
+    assert read()[0] == pytest.approx(read_plain()[0], rel=1e-12)
+    assert read()[1] == pytest.approx(read_plain()[1], rel=1e-12)
+    _close(model, plain_model)
+
+
+_SCHEDULERS: dict[int, Any] = {}
+
+
+def test_a_frozen_config_the_step_reads_is_left_alone() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        smoothing: float = 0.1
+        steps: int = 1000
+
+    config = Config()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: Any) -> float:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(batch[0]), batch[1], label_smoothing=config.smoothing)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step(_batch(0))
+    with inject_oom(batch_over=8):
+        step(_batch(1))
+    assert step.stats.ooms == 1
+    assert config == Config()
+
+
+def test_the_numbers_of_a_batch_that_starts_over_count_its_last_pass_only() -> None:
+    """An OOM in a later micro-batch's backward, after its gradient reached the sum, starts
+    the batch over: what the abandoned pieces added is dropped with them."""
+    def make() -> tuple[nn.Module, Any, Any]:
+        model = _model()
+        opt = _opt(model)
+        state = {"running": 0.0, "calls": 0, "seen": 0}
+
+        def step(batch: Any) -> None:
+            x, y = batch
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            state["running"] += loss.item()
+            state["calls"] += 1
+            state["seen"] += len(x)
+
+        return model, step, lambda: dict(state)
+
+    plain_model, plain, read_plain = make()
+    plain(_batch(0))
+    model, step, read = make()
+    guarded = retry_on_oom(optimizer=_OPTS[id(model)])(step)
+    with inject_oom(batch_over=8), inject_oom(phase="backward", at_op=35) as late:
+        guarded(_batch(0))
+    assert late.fired == 1
+    assert read()["seen"] == read_plain()["seen"] == 16
+    assert read()["calls"] == 1
+    assert read()["running"] == pytest.approx(read_plain()["running"], rel=1e-12)
+    _close(model, plain_model)
+
+
+@pytest.mark.slow
+def test_a_compiled_forward_that_assigns_a_buffer_runs_decorated() -> None:
+    """torch.compile traces the process-wide registration hook autobatch installs: it stands
+    aside while compiling."""
+    model = _Tracked()
+    net = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @retry_on_oom(optimizer=opt)
+    def step(batch: Any) -> None:
+        opt.zero_grad()
+        F.cross_entropy(net(batch[0]), batch[1]).backward()
+        opt.step()
+
+    step(_batch(0))
+    step(_batch(1))
+    assert float(model.seen) == 32

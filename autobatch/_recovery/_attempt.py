@@ -118,8 +118,8 @@ _NEW = object()
 
 
 def _registered(module: nn.Module, name: str, value: Any) -> None:
-    if module not in _WATCHED:
-        return
+    if torch.compiler.is_compiling() or module not in _WATCHED:
+        return  # (compiled code is copied whole before each attempt: see _Known)
     before: Any = (module, name, _NEW)
     for held in (module._buffers, module._modules, module._parameters):
         if name in held:

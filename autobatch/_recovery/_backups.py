@@ -159,7 +159,7 @@ def scalar_slots(fn: Any, holders: Iterable[Any] = ()) -> list[Slot]:
             continue
         seen.add(id(holder))
         slots += [(holder, k, False) for k, v in held.items() if isinstance(v, _SCALARS)
-                  and not (k.startswith("__") or k == "training")]
+                  and not ((k.startswith("_") and holder is not owner) or k == "training")]
     return slots
 
 
@@ -182,8 +182,10 @@ def _users_own(holder: Any) -> bool:
     ``site-packages``: an optimizer or a scheduler keeps its own books)."""
     if isinstance(holder, torch.nn.Module):
         return True
-    if isinstance(holder, (types.ModuleType, types.FunctionType, types.MethodType)):
-        return False
+    if isinstance(holder, (types.ModuleType, types.FunctionType, types.MethodType)) or getattr(
+        getattr(type(holder), "__dataclass_params__", None), "frozen", False
+    ):
+        return False  # (a frozen dataclass, a config: read, never written)
     module = sys.modules.get(type(holder).__module__)
     path = getattr(module, "__file__", None) or ""
     return type(holder).__module__ != "builtins" and not type(holder).__module__.startswith(
@@ -254,10 +256,13 @@ class ScalarsBegan:
         shares = [share for _, share, _ in self.pieces]
         for i, start in enumerate(self.values):
             ends = [values[i] for _, _, values in self.pieces]
-            if not all(_number(v) for v in (start, *ends)):
-                continue
+            if not all(_number(v) for v in (start, *ends)) or not all(
+                    math.isfinite(v) for v in (start, *ends)):
+                continue  # (a flag, a string, ``best = min(inf, ...)``: as the last piece left it)
             added = [end - start for end in ends]
-            kind = _added_kind(start, added[0], rows[0], self.reads)
+            slot = self.slots[i]
+            kind = None if slot[1] is _COUNT or (isinstance(slot[0], dict) and "params" in slot[
+                0]) else _added_kind(start, added, rows, self.reads)
             if kind == "mean":
                 settled[i] = start + sum(a * w for a, w in zip(added, shares, strict=True))
                 continue
@@ -268,19 +273,33 @@ class ScalarsBegan:
         put_scalars(self.slots, settled)
 
 
-def _added_kind(start: float, added: float, rows: int,
+def _added_kind(start: float, added: list[Any], rows: list[int],
                 reads: list[tuple[float, bool]]) -> str | None:
-    """What the first piece's change of a number adds up: ``"sum"`` (a sum's read, or a
-    mean's times the rows), ``"mean"`` (a float, where a mean was read: a moving average of
-    the loss moves by a fraction of it), or ``None`` (the rules for counts decide)."""
+    """What the pieces' changes of a number add up, from the first piece's ``.item()`` reads
+    that explain its change: ``"mean"`` (a mean's value: ``total += loss.item()``; or a step
+    toward it, ``ema = 0.9 * ema + 0.1 * loss.item()``, where the changes are not in
+    proportion to the rows), ``"sum"`` (a sum's value, or a mean's times the rows, other than
+    a whole 1: ``calls += 1`` counts calls), or ``None`` (the rules for counts decide)."""
+    first = added[0]
+
     def near(a: float, b: float) -> bool:
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12 * max(1.0, abs(start), abs(b)))
 
     for value, total in reads:
-        if near(added, value) if total else near(added, value * rows):
+        if not total and near(first, value):
+            return "mean"
+    for value, total in reads:
+        if ((total and near(first, value)) or (not total and near(first, value * rows[0]))) and (
+            not (isinstance(first, int) and first == 1)
+        ):
             return "sum"
-    if not isinstance(added, int) and not all(total for _, total in reads):
-        return "mean"  # (a float a mean was read for: a total or an average of the loss)
+    by_rows = all(near(a * rows[0], first * n) for a, n in zip(added, rows, strict=True))
+    for value, total in reads:  # (a moving average: a share of the way to the mean)
+        gap = value - start
+        if not total and not isinstance(first, int) and gap and 0 < first / gap <= 1 and (
+            not by_rows
+        ):
+            return "mean"
     return None
 
 
@@ -304,7 +323,8 @@ def read_scalars(slots: list[Slot]) -> list[Any]:
 def put_scalars(slots: list[Slot], values: list[Any]) -> None:
     for (holder, name, item), value in zip(slots, values, strict=True):
         if not item:
-            if getattr(holder, name) is not value:
+            current = getattr(holder, name, _MISSING)
+            if current is not value and not (type(current) is type(value) and current == value):
                 setattr(holder, name, value)
         elif name is _COUNT:
             del holder[value:]

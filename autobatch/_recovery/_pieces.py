@@ -378,6 +378,7 @@ class _BatchRun:
         if dirty:
             lost += self.done  # this piece's gradients reached the sum: the batch starts over
             self.pieces.clear()
+            self.scalars.pieces.clear()  # (the pieces' numbers begin again too)
             self.done = 0
         self.recover(failure, whole, chunk or n, lost,
                      restart=dirty or (whole is not None and done == 0))

@@ -6,7 +6,15 @@ from __future__ import annotations
 import torch
 
 from autobatch._recovery._inspect import engine_work
-from autobatch._recovery._row_ops import AGG, FREE, SELECTED, Op, pointwise, selected
+from autobatch._recovery._row_ops import (
+    AGG,
+    FREE,
+    SELECTED,
+    Op,
+    note_selection,
+    pointwise,
+    selected,
+)
 
 
 def nll(op: Op) -> None:
@@ -28,8 +36,10 @@ def nll(op: Op) -> None:
     if reduced == 0:
         op.put(outs[0], 0)
     elif reduced == 2 or op.watch.items:
+        if reduced == 1 and ti is not None:
+            note_selection(op, inp, ti)
         op.put(outs[0], AGG, total=reduced == 2, summed=target.numel())
-    elif any(tag is not None and selected(tag, op.watch.rows) for tag in (ti, tt)):
+    elif any(tag is not None and selected(op, tag) for tag in (ti, tt)):
         op.put(outs[0], FREE, op.taint(SELECTED, "count"))
     elif (count := _even(target, op.arg("weight"), op.arg("ignore_index", -100),
                          op.watch.rows)) is not None:
@@ -96,7 +106,10 @@ def reduced_loss(op: Op) -> None:
     if len(rows) > 1 and not op.orders_agree():
         op.put_all(FREE, op.paired())
         return
-    if op.arg("reduction", 1) == 1 and any(selected(tag, op.watch.rows) for _, tag in rows):
+    if op.arg("reduction", 1) == 1 and op.watch.items:
+        for t, tag in rows[:1]:
+            note_selection(op, t, tag)
+    elif op.arg("reduction", 1) == 1 and any(selected(op, tag) for _, tag in rows):
         op.put_all(FREE, op.taint(SELECTED, "count"))
         return
     op.put_all(AGG if rows else FREE,

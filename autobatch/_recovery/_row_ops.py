@@ -62,6 +62,8 @@ class Watch(Protocol):
     values: set[float]
     picks: dict[int, Taint]  # ``.item()`` of an index computed from all the rows (an argmax)
     reads: list[tuple[float, bool]]  # ``.item()`` of sums (``True``) and means over the rows
+    positions: WeakIdKeyDictionary  # tensors made from positions (arange, linspace) of the rows
+    selections: list[torch.Tensor]  # under items=: the rows each mean of the loss picked
     rows: int
     even_used: bool  # a count that depends on the batch's content was found even per row
     counts: list[float]  # what each row counted there
@@ -145,6 +147,8 @@ class Op:
             inner = rows[0][1].inner if rows and dim >= 0 else 1
         if order is True:
             order = rows[0][1].order if rows and dim >= 0 else None
+            if dim == AGG and len(self.tagged) == 1 and self.tagged[0][1].dim == AGG:
+                order = self.tagged[0][1].order  # (the rows a sum one row at a time added)
         kept = order if isinstance(order, torch.Tensor) else None
         aggregate = dim == AGG
         if aggregate and total is None and not constant:
@@ -220,16 +224,29 @@ def _a(word: str) -> str:
     return f"an {word}" if word[:1] in "aeiou" else f"a {word}"
 
 
-def selected(tag: Tag, rows: int) -> bool:
-    """Whether ``tag`` holds some of the batch's rows, or some more than once (picked by a mask
-    or by an index made from the batch), not each of them once."""
-    order = tag.order
+def selected(op: Op, tag: Tag) -> bool:
+    """Whether ``tag`` holds the batch's rows unevenly (picked by a mask or by an index made
+    from the batch: some rows, or some more often than others), so that a mean over it counts
+    the batch's content. Where every row is held equally often (two masked tokens per row),
+    the mean is one by rows here, and every later micro-batch is followed to check its own."""
+    order, rows = tag.order, op.watch.rows
     if order is None:
         return False
-    if order.numel() != rows:
-        return True
     with engine_work(), torch.no_grad():
-        return int(order.unique().numel()) != rows
+        counts = torch.bincount(order.reshape(-1), minlength=rows)
+        if counts.numel() != rows or not bool((counts == counts[0]).all()) or int(counts[0]) == 0:
+            return True
+    if int(counts[0]) != 1:
+        op.watch.even_used = op.watch.masked = True  # (checked again in the later pieces)
+        op.watch.counts.append(float(counts[0]))
+    return False
+
+
+def note_selection(op: Op, t: torch.Tensor, tag: Tag) -> None:
+    """Under ``items=``: the rows a mean of the loss averages, where a mask or an index picked
+    them (one count is declared: two means over different picks cannot both be weighed)."""
+    if tag.order is not None and t.requires_grad:
+        op.watch.selections.append(tag.order)
 
 
 def ids(t: torch.Tensor, tag: Tag) -> torch.Tensor:
@@ -319,7 +336,7 @@ def pointwise(op: Op) -> None:
         return
     (dim,) = dims
     t, tag = rows[0]
-    if tag.order is not None and _by_place(op, dim, rank):
+    if _by_place(op, dim, rank):
         op.put_all(dim, op.taint("the batch's rows weighted by their place after a sort or a "
                                  "selection (a rank)"))
         return
@@ -328,10 +345,13 @@ def pointwise(op: Op) -> None:
 
 
 def _by_place(op: Op, dim: int, rank: int) -> bool:
-    """Whether a tensor without rows varies along the rows' dimension ``dim`` of the output:
-    weights by place (``sorted * torch.linspace(0, 1, n)``)."""
+    """Whether a tensor without rows varies along the rows' dimension ``dim`` of the output
+    where it weighs them by place: made from positions (``torch.linspace(0, 1, n)``,
+    ``0.9 ** torch.arange(n)``), or meeting rows in another order than the batch's
+    (``sorted * weights``)."""
+    ordered = any(tag.order is not None for _, tag in op.rows())
     for other in flat(op.args, op.kwargs):
-        if op.tag_of(other) is not None:
+        if op.tag_of(other) is not None or not (ordered or other in op.watch.positions):
             continue
         at = dim - (rank - other.dim())
         if at >= 0 and other.shape[at] > 1:
@@ -354,11 +374,14 @@ def _aggregate(op: Op) -> None:
     evens = {tag.even for _, tag in op.tagged if tag.dim == AGG}
     even = evens.pop() if len(evens) == 1 and len(op.tagged) == 1 else None
     if op.name not in LINEAR:
-        if op.name in _GUARDS and (watch.items or even is not None):
+        if op.name in _GUARDS and (watch.items or even is not None) and not any(
+            t.requires_grad for t in aggregates
+        ):
             op.put_all(AGG, even=even)  # (a count, guarded: declared, or even per row)
             return
+        counts = op.name in _GUARDS and not any(t.requires_grad for t in aggregates)
         op.put_all(FREE, op.taint(f"{op.label} of a sum or mean over the batch's rows",
-                                  "count" if op.name in _GUARDS else "mixes"))
+                                  "count" if counts else "mixes"))
         return
     divisor = op.args[1] if len(op.args) > 1 and op.name != "mul" else None
     if op.name in _PRODUCTS and (len(aggregates) > 1 or (
@@ -384,12 +407,27 @@ def _aggregate(op: Op) -> None:
         return
     total, constant = op.kind()
     summed = next((tag.summed for _, tag in op.tagged if tag.dim == AGG), 0)
-    if total and op.name in ("div", "true_divide") and isinstance(op.args[1], int) and (
-        op.args[1] in (watch.rows, summed)
-    ):
+    if total and _by_the_count(op, (watch.rows, summed)):
         total = False  # (``l.sum() / len(x)``, ``l.sum() / l.numel()``: a mean)
     op.put_all(AGG, even=even if op.name not in _PRODUCTS else None, total=total,
                constant=constant, summed=summed)
+
+
+def _by_the_count(op: Op, counts: tuple[int, ...]) -> bool:
+    """Whether ``op`` divides by one of ``counts`` (``/ len(x)``, ``/ float(len(x))``,
+    ``/ torch.tensor(len(x))``, ``* (1 / len(x))``)."""
+    if op.name not in ("div", "true_divide", "mul") or len(op.args) < 2:
+        return False
+    value = op.args[1]
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or op.tag_of(value) is not None or value.is_complex():
+            return False
+        with engine_work(), torch.no_grad():
+            value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:
+        return False
+    divisor = value if op.name != "mul" else 1 / value
+    return any(count > 0 and abs(divisor - count) <= 1e-9 * count for count in counts)
 
 
 def reduction(linear: bool) -> Rule:
@@ -414,9 +452,11 @@ def reduction(linear: bool) -> Rule:
         else:
             reduced = {norm(d, rank) for d in dim}
         if tag.dim in reduced:
-            if linear and op.name == "mean" and selected(tag, op.watch.rows):
+            if linear and op.name == "mean" and not op.watch.items and selected(op, tag):
                 op.put_all(FREE, op.taint(SELECTED, "count"))
                 return
+            if linear and op.name == "mean" and op.watch.items:
+                note_selection(op, t, tag)
             if linear:
                 even = None if t.requires_grad else _even_rows(t, tag, op.watch.rows)
                 op.put_all(AGG, even=even, total=op.name != "mean", summed=op.summing(t))
@@ -627,8 +667,10 @@ def single(op: Op) -> None:
         dim = norm(op.arg("dim", 0), outs[0].dim()) if outs else 0
         op.put_all(dim, inner=1, order=order if op.name == "stack" else None)
         return
-    if op.name in _ADDS and all(tag.dim == AGG for tag in others):
-        op.put_all(AGG)  # (a sum over rows, one at a time)
+    if op.name in _ADDS and all(tag.dim == AGG and tag.order is not None for tag in others):
+        with engine_work(), torch.no_grad():  # (a sum over rows, one at a time: which)
+            summed = torch.cat([tag.order for _, tag in op.tagged if tag.order is not None])
+        op.put_all(AGG, order=summed)
         return
     op.put_all(FREE, op.taint("one row of the batch combined with other rows (x[i] with x, "
                               "or with another row)", "pairs"))

@@ -34,8 +34,13 @@ def matmul(lhs: int, rhs: int, batched: bool, bias: int | None = None) -> Rule:
                 "the batch, as za @ zb.T)", "pairs"))
             return
         if contracted:
+            other = op.args[rhs] if ta is not None and ta.dim >= 0 else op.args[lhs]
             if out_dims:
                 op.put_all(FREE, op.taint("a product that contracts the batch's rows"))
+            elif op.tag_of(other) is None and (other in op.watch.positions or any(
+                    tag.order is not None for tag, _ in rows)):
+                op.put_all(FREE, op.taint("the batch's rows weighted by their place (a rank "
+                                          "after a sort, or positions), summed"))
             else:
                 op.put_all(AGG, total=True)  # (a sum over rows of per-row products: X.T @ Y)
             return

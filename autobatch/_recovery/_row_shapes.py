@@ -103,7 +103,9 @@ def slice_(op: Op) -> None:
         op.put_all(tag.dim)
         return
     dim = norm(op.arg("dim", 0), t.dim())
-    if dim != tag.dim or op.outputs()[0].shape[dim] == t.shape[dim]:
+    end = op.arg("end")
+    fixed = isinstance(end, int) and t.shape[dim] < end < 2**62  # (``o[:12]`` of 8 rows)
+    if dim != tag.dim or (op.outputs()[0].shape[dim] == t.shape[dim] and not fixed):
         op.put_all(tag.dim, segments=tag.segments)
         return
     op.put_all(dim, op.taint("part of the batch's rows (a slice of them)", "pairs"))
@@ -190,11 +192,14 @@ def _picked(t: torch.Tensor, tag: Tag, index: Any, *, made: bool) -> torch.Tenso
     """The rows' order after indexing the rows' dimension with ``index``: any index made from
     the batch (a selection by content, a sort) or a permutation of all the rows; ``None``
     for any other (rows picked by position depend on how the batch is cut)."""
-    if not isinstance(index, torch.Tensor) or tag.inner != 1:
+    if not isinstance(index, torch.Tensor):
+        return None
+    masks = index.dtype in (torch.bool, torch.uint8)
+    if tag.inner != 1 and not (masks and index.dim() == 1):
         return None
     with engine_work(), torch.no_grad():
-        base = ids(t, tag)
-        if index.dtype in (torch.bool, torch.uint8):
+        base = ids(t, tag).repeat_interleave(tag.inner)  # (each index's row, rows merged)
+        if masks:
             shape = (-1, *[1] * (index.dim() - 1))
             return base.reshape(shape).expand(index.shape)[index.bool()]
         flat = index.reshape(-1)
@@ -273,6 +278,9 @@ def index(op: Op) -> None:
         if order is None:
             op.put_all(first, op.taint("the batch's rows picked or reordered by an index",
                                        "pairs"))
+            return
+        if hit.dim() == 0:  # (``l[l.argsort()[-1]]``: one row)
+            op.put_all(ONE, order=order)
             return
         if not masks:  # (where its rows broadcast to)
             long = [k for k, size in enumerate(hit.shape) if size == order.numel()]

@@ -126,6 +126,9 @@ class RowWatch:
         self.values: set[float] = set()  # .item() of tensors made from the batch
         self.picks: dict[int, Taint] = {}  # .item() of an index from all the rows (argmax)
         self.reads: list[tuple[float, bool]] = []  # .item() of sums (True) and means over rows
+        #: tensors made from the rows' positions (arange, linspace: weights by place)
+        self.positions: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.selections: list[torch.Tensor] = []  # under items=: the rows each mean picked
         #: a mean by a count of the batch's content was judged exact (each row counts the
         #: same here): the batch's later micro-batches are followed too, to check theirs
         self.even_used = False
@@ -152,6 +155,7 @@ class RowWatch:
         tags = self.tags
         tagged = [(t, tag) for t in flat(args, kwargs) if (tag := tags.get(t)) is not None]  # type: ignore[no-untyped-call]
         if not tagged:
+            self._positions(func, args, kwargs, out)
             return
         op = Op(self, func, args, kwargs, out, tagged)
         if func in _COPIES and isinstance(out, torch.Tensor) and out.layout is torch.strided:
@@ -167,6 +171,19 @@ class RowWatch:
         else:
             rule_for(func)(op)
 
+    def _positions(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   out: Any) -> None:
+        """Note a tensor of the micro-batch's size made from positions (``torch.arange(n)``,
+        ``linspace``), and what elementwise work on it alone makes (``0.9 ** arange``)."""
+        if not isinstance(out, torch.Tensor) or out.dim() == 0:
+            return
+        name = func.overloadpacket.__name__
+        if (name in _POSITIONS_MADE and out.dim() == 1 and len(out) == self.rows) or (
+            any(t in self.positions for t in flat(args, kwargs))
+            and (torch.Tag.pointwise in func.tags or name in _POSITIONS_KEPT)
+        ):
+            self.positions[out] = True
+
     def check(self, roots: Iterable[torch.Tensor], step: str) -> None:
         """``backward()`` of a micro-batch: refuse a loss whose rows were mixed, or averaged
         by a count whose rows count otherwise than an earlier micro-batch's did."""
@@ -179,8 +196,27 @@ class RowWatch:
                 "the micro-batches' means, weighted by rows, are not the batch's mean",
                 _FIXES["count"],
             )
+        picks = self.selections
+        if any(p.shape != picks[0].shape or not torch.equal(p, picks[0]) for p in picks[1:]):
+            raise refusal(
+                step, "averaged its loss over different picks of the batch's rows (two "
+                "masks)", user_frame(),
+                "items= declares one count, which cannot weigh means over different counts",
+                "compute the loss as one mean over one mask, or as sums divided by the "
+                "batch-wide counts with reduction='sum'",
+            )
         for root in roots:
             tag = self.tags.get(root)  # type: ignore[no-untyped-call]
+            if tag is not None and tag.taint is None and self.rows > 1 and (
+                tag.dim == ONE or (tag.dim == AGG and tag.order is not None and not bool(
+                    torch.equal(tag.order.sort().values, torch.arange(self.rows))))
+            ):
+                raise refusal(
+                    step, "computed its loss from some of the batch's rows, taken one at a "
+                    "time (x[0], the first of a sort, a loop over part of the rows)",
+                    user_frame(), "a micro-batch would take its own first rows: the loss "
+                    "then depends on how the batch is cut", _FIXES["mixes"],
+                )
             if tag is not None and tag.taint is None and tag.dim == AGG and not _WEIGHED.depth:
                 self._check_kind(tag, step)  # (unless the caller weighs each micro-batch)
             if tag is not None and tag.taint is not None:
@@ -265,6 +301,11 @@ _BY_NAME: dict[str, Rule] = {
     "_pack_padded_sequence": packed, "_pad_packed_sequence": packed,
 }
 
+
+#: operators that make a tensor of positions, and those that keep one (views, copies)
+_POSITIONS_MADE = frozenset({"arange", "linspace", "logspace"})
+_POSITIONS_KEPT = frozenset({"_to_copy", "view", "reshape", "unsqueeze", "expand", "clone",
+                             "flip", "contiguous", "alias", "detach", "lift_fresh"})
 
 _RULES: dict[Any, Rule] = {}
 _COPIES = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.clone.default})

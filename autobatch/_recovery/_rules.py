@@ -202,10 +202,12 @@ REFUSED: tuple[str, ...] = (
     "output of `(N,)` against a target of `(N, 1)` that broadcasts to N × N), a max, min, "
     "sort, top-k, softmax, cumulative sum or normalisation over the rows, a sum over "
     "the rows used non-linearly or with the rows themselves (`x - x.mean(0)`), part of the "
-    "rows (a slice, the first row as anchor, the row an argmax picks: `l[l.argmax()]`), rows "
-    "weighted by their rank after a sort, and a mean whose count depends on the batch's "
-    "content (`l.sum() / mask.sum()`, `l[mask].mean()`, `ignore_index` or class weights that "
-    "leave rows with different counts) without `items=`; the refusal names the operator and the line that "
+    "rows (a slice, the first row as anchor, a row picked by an argmax or a sort: "
+    "`l[l.argmax()]`, `l.sort().values[0]`), rows weighted by their place (by their rank "
+    "after a sort, `l * torch.linspace(0, 1, n)`), and a mean whose count depends on the "
+    "batch's content (`l.sum() / mask.sum()`, `l[mask].mean()`, `ignore_index` or class "
+    "weights that leave rows with different counts) without `items=`, or two such means "
+    "under one `items=`; the refusal names the operator and the line that "
     "mixed the rows, and for a loss over the whole batch's embeddings points to "
     "`embed_in_pieces`",
     "a loss of another kind than `reduction=` weighs, found the same way: a sum over the "
@@ -237,7 +239,8 @@ def assigned_early(step: str, owner: str, name: str) -> Refusal:
     the one before left."""
     return refusal(
         step, f"assigned {owner}.{name} (a buffer, parameter or submodule) outside its module's "
-        "forward", user_frame(), "it would be assigned once per micro-batch instead of once per "
+        "forward (a forward called directly, model.forward(x), is outside it: call the "
+        "module, model(x))", user_frame(), "it would be assigned once per micro-batch instead of once per "
         "batch, each time from what the micro-batch before left (a functional EMA, a new head)",
         "assign it after the decorated step returns, or in its module's forward, or update the "
         "buffer in place (autobatch then keeps or refuses it by the rules for writes)",
