@@ -178,8 +178,9 @@ def _assigned_globals(code: Any) -> frozenset[str]:
 
 def _users_own(holder: Any) -> bool:
     """An object whose numbers are the user's state: a module (``model.global_step``), or an
-    instance of a class of the user's own (not of torch's, autobatch's or a library's in
-    ``site-packages``: an optimizer or a scheduler keeps its own books)."""
+    instance of a class of the user's own (not of torch's, autobatch's, the standard
+    library's, an ``argparse`` namespace's, or a library's in ``site-packages``: an optimizer
+    or a scheduler keeps its own books)."""
     if isinstance(holder, torch.nn.Module):
         return True
     if isinstance(holder, (types.ModuleType, types.FunctionType, types.MethodType)) or getattr(
@@ -188,8 +189,8 @@ def _users_own(holder: Any) -> bool:
         return False  # (a frozen dataclass, a config: read, never written)
     module = sys.modules.get(type(holder).__module__)
     path = getattr(module, "__file__", None) or ""
-    return type(holder).__module__ != "builtins" and not type(holder).__module__.startswith(
-        ("torch", "autobatch", "numpy")) and "-packages" not in path
+    return type(holder).__module__ not in sys.stdlib_module_names and not type(
+        holder).__module__.startswith(("torch", "autobatch", "numpy")) and "-packages" not in path
 
 
 def hyperparameter_slots(optimizers: Any) -> list[Slot]:
