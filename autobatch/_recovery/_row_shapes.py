@@ -221,7 +221,8 @@ def masked_select(op: Op) -> None:
     if not rows or op.aggregates() or not op.outputs() or not op.orders_agree():
         fallback(op)
         return
-    shape = torch.broadcast_shapes(*(a.shape for a in op.args[:2] if isinstance(a, torch.Tensor)))
+    shape = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+        *(a.shape for a in op.args[:2] if isinstance(a, torch.Tensor)))
     t, tag = rows[0]
     if tag.inner != 1 or tag.dim + len(shape) - t.dim() != 0:
         fallback(op)
