@@ -8,6 +8,7 @@ batches each hold one."""
 from __future__ import annotations
 
 import dis
+import functools
 import math
 import sys
 import types
@@ -120,11 +121,10 @@ def scalar_slots(fn: Any, holders: Iterable[Any] = ()) -> list[Slot]:
     instance (a method's ``self``), of modules and of the user's own objects it holds in its
     closure or names as globals (``model.global_step``, ``counter.n``), and of ``holders``
     (the step's modules, the ``self`` a method decorated in its class body is called with),
-    that hold a number, a
-    string, a flag or ``None`` (a call counter, a flag). A failed attempt puts them back, and
-    every micro-batch starts from the batch's values, so that they change once per call: a
-    counter counts the call once, and a loss it weights is the batch's. (A list appended to
-    is a log: an append runs once per micro-batch.)"""
+    that hold a number, a string, a flag or ``None`` (a call counter, a flag). A failed
+    attempt puts them back, and every micro-batch starts from the batch's values, so that
+    they change once per call: a counter counts the call once, and a loss it weights is the
+    batch's. (A list appended to is a log: an append runs once per micro-batch.)"""
     slots: list[Slot] = []
     given, holders = list(holders), []
     for cell in getattr(fn, "__closure__", None) or ():
@@ -164,16 +164,12 @@ def scalar_slots(fn: Any, holders: Iterable[Any] = ()) -> list[Slot]:
 
 
 _GLOBAL_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL"})
-_ASSIGNED: dict[Any, frozenset[str]] = {}
 
 
+@functools.lru_cache(maxsize=1024)
 def _assigned_globals(code: Any) -> frozenset[str]:
     """The globals a function's code assigns (``global step; step += 1``), read once."""
-    found = _ASSIGNED.get(code)
-    if found is None:
-        found = _ASSIGNED[code] = frozenset(
-            i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_STORES)
-    return found
+    return frozenset(i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_STORES)
 
 
 def _users_own(holder: Any) -> bool:
@@ -213,15 +209,19 @@ class ScalarsBegan:
     weights every micro-batch alike), and after a refusal; and settled after the last piece.
 
     How a number ends after a split depends on what it adds up, which the first piece shows
-    (the ``.item()`` values its forward read, each of a mean or a sum over the rows):
+    (the ``.item()`` values its forward read, each of a mean or a sum over the rows; see
+    :func:`_added_kind`; the optimizers' hyperparameters and group counts skip to the last
+    rule):
 
-    - what a mean read adds (``total += loss.item()``, ``ema = 0.9 * ema + 0.1 *
-      loss.item()``, an accuracy): the pieces' changes weighted by their shares, which is the
-      batch's change for any number affine in that mean;
-    - what a sum adds (``correct += (pred == y).sum().item()``), or a mean times the rows
-      (``total += loss.item() * len(x)``): the sum of the pieces' changes;
-    - the same whole number added by every piece, not a multiple of its rows (``calls +=
-      1``): one call's worth, as unsplit; any other number (``rows += len(x)``): the sum.
+    - a mean's value added, or a step toward it (``total += loss.item()``, ``ema = 0.9 * ema
+      + 0.1 * loss.item()``, an accuracy): the pieces' changes weighted by their shares, which
+      is the batch's change for any number affine in that mean;
+    - a sum's value added, or a mean's times the rows (``correct += (pred == y).sum()
+      .item()``, ``total += loss.item() * len(x)``): the sum of the pieces' changes;
+    - otherwise, the same whole number added by every piece, not a multiple of its rows
+      (``calls += 1``): one call's worth, as unsplit; any other change (``rows += len(x)``,
+      ``epoch += len(x) / n``): the sum. A number that is not finite ends as the last piece
+      left it.
 
     A flag or a string ends as the last piece left it. Attributes its ``self`` got during the
     batch (``self.calls = 1`` first written by this call) are dropped before each piece."""
