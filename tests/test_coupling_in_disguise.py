@@ -208,3 +208,43 @@ def test_per_row_forms_near_the_refused_ones_split_exactly(name: str) -> None:
     assert step.stats.ooms == 1
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def _pretraining(o: torch.Tensor, y: torch.Tensor, padded: bool) -> torch.Tensor:
+    """A token mean (masked-LM-like, padding ignored) plus a mean over rows (next-sentence-
+    like), as BERT's pretraining head adds them."""
+    logits, labels, _ = _tokens(o, y)
+    if padded:
+        labels = labels.clone()
+        labels[1::2, 1] = -100
+    return F.cross_entropy(logits.reshape(-1, 4), labels.reshape(-1)) + F.cross_entropy(o, y)
+
+
+def _token_items(batch: Any) -> torch.Tensor:
+    return torch.tensor(2 * len(batch[1]) - len(batch[1][1::2]))
+
+
+def test_a_row_mean_beside_a_token_mean_is_refused_under_items() -> None:
+    """``items=`` weighs every micro-batch by its share of the tokens: the row mean beside the
+    token mean would be weighed so too."""
+    model, opt, _, step = _make(lambda o, y: _pretraining(o, y, padded=True),
+                                items=_token_items)
+    before = _state(model, opt)
+    with inject_oom(batch_over=7), pytest.raises(AutobatchError, match="over the batch's rows"):
+        step((torch.randn(14, 8), torch.randint(0, 4, (14,))))
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, opt), strict=True))
+
+
+def test_a_row_mean_beside_a_token_mean_splits_where_the_shares_agree() -> None:
+    """Without padding every micro-batch's share of the tokens is its share of the rows."""
+    def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _pretraining(o, y, padded=False)
+
+    reference, _, plain, _ = _make(loss)
+    model, _, _, step = _make(loss, items=lambda b: 2 * len(b[1]))
+    plain(_batch(0))
+    with inject_oom(batch_over=8):
+        step(_batch(0))
+    assert step.stats.ooms == 1
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -237,7 +237,8 @@ class _BatchRun:
         return n / self.total
 
     @contextlib.contextmanager
-    def _watching(self, *, early: bool, last: bool, piece: Batch, n: int) -> Iterator[None]:
+    def _watching(self, *, early: bool, last: bool, piece: Batch, n: int,
+                  uneven: bool = False) -> Iterator[None]:
         """One watched attempt: the ledger's, kept in step with the other ranks. An early
         piece's rows are followed through its forward (:mod:`._rows`)."""
         engine, coord, session = self.engine, self.coord, self.session
@@ -245,7 +246,7 @@ class _BatchRun:
         records = early or self.learning
         tagging = not self.pieces and n < self.total and session is None  # (for the join)
         rows = RowWatch(tensors(piece), n, items=engine.options.items is not None,
-                        reduction=engine.options.reduction) if (
+                        reduction=engine.options.reduction, uneven=uneven) if (
             early or counted or tagging) else None
         if rows is not None:
             rows.expected = self.counts
@@ -311,6 +312,7 @@ class _BatchRun:
             with phases, whole if whole is not None else contextlib.nullcontext(), (
                 self._watching(  # (a split batch's last piece writes once per batch: unwatched)
                     early=early, last=last or engine.policy == "shrink", piece=piece, n=n,
+                    uneven=self.items is not None and abs(weight - n / total) > 1e-12,
                 ) if watched else contextlib.nullcontext()
             ):
                 with chunked(chunk) if chunk is not None else contextlib.nullcontext():

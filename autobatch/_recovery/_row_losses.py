@@ -9,6 +9,8 @@ from autobatch._recovery._inspect import engine_work
 from autobatch._recovery._row_ops import (
     AGG,
     FREE,
+    ITEMS,
+    ROWS,
     SELECTED,
     Op,
     note_selection,
@@ -38,7 +40,10 @@ def nll(op: Op) -> None:
     elif reduced == 2 or op.watch.items:
         if reduced == 1 and ti is not None:
             note_selection(op, inp, ti)
-        op.put(outs[0], AGG, total=reduced == 2, summed=target.numel())
+        per_row = target.numel() == op.watch.rows and (ti is None or ti.order is None) and (
+            op.arg("weight") is None and not _ignores(target, op.arg("ignore_index", -100)))
+        op.put(outs[0], AGG, total=reduced == 2, summed=target.numel(),
+               basis=frozenset() if reduced != 1 else ROWS if per_row else ITEMS)
     elif any(tag is not None and selected(op, tag) for tag in (ti, tt)):
         op.put(outs[0], FREE, op.taint(SELECTED, "count"))
     elif (count := _even(target, op.arg("weight"), op.arg("ignore_index", -100),
@@ -49,11 +54,19 @@ def nll(op: Op) -> None:
             op.watch.ignored.add(int(op.arg("ignore_index", -100)))
         else:  # (class weights, or targets the step made: labels masked from a mask, say)
             op.watch.masked = True
-        op.put(outs[0], AGG, total=False)
+        op.put(outs[0], AGG, total=False, basis=ROWS)
     else:
         op.put(outs[0], FREE, op.taint(
             "a mean over the targets it does not ignore (ignore_index or class weights), whose "
             "count differs from row to row", "count"))
+
+
+def _ignores(target: torch.Tensor, ignore: int) -> bool:
+    """Whether a class target holds the ignored label somewhere (so its mean is over items)."""
+    if target.is_floating_point():
+        return False
+    with engine_work(), torch.no_grad():
+        return bool((target == ignore).any())
 
 
 def _batch_own(t: torch.Tensor, storages: set[int]) -> bool:
@@ -112,7 +125,9 @@ def reduced_loss(op: Op) -> None:
     elif op.arg("reduction", 1) == 1 and any(selected(op, tag) for _, tag in rows):
         op.put_all(FREE, op.taint(SELECTED, "count"))
         return
+    mean = op.arg("reduction", 1) == 1
+    selection = any(tag.order is not None for _, tag in rows) and op.watch.items
     op.put_all(AGG if rows else FREE,
                None if rows else op.taint(f"{op.label} of a sum over the batch's rows"),
-               total=op.arg("reduction", 1) == 2,
-               summed=max((t.numel() for t, _ in rows), default=0))
+               total=not mean, summed=max((t.numel() for t, _ in rows), default=0),
+               basis=(ITEMS if selection else ROWS) if mean else frozenset())

@@ -53,6 +53,9 @@ class Tag:
     #: a sum's count: how many of the batch's elements each of its elements adds up (dividing
     #: by it, ``l.sum() / l.numel()``, makes a mean); 0 where not known
     summed: int = 0
+    #: what the means in an aggregate divide by: the rows (``"rows"``, or a count in
+    #: proportion to them) or the items ``items=`` counts (``"items"``: tokens kept)
+    basis: frozenset[str] = frozenset()
 
 
 class Watch(Protocol):
@@ -133,9 +136,11 @@ class Op:
     def put(self, t: torch.Tensor, dim: int, taint: Taint | None = None,
             segments: tuple[int, ...] | None = None, inner: int | None = None,
             order: torch.Tensor | bool | None = True, even: float | None = None,
-            total: bool | None = None, constant: bool = False, summed: int = 0) -> None:
+            total: bool | None = None, constant: bool = False, summed: int = 0,
+            basis: frozenset[str] | None = None) -> None:
         """Tag ``t``; ``inner`` and ``order`` by default those of the first input with rows
-        (a dimension carried over whole; ``order=None``: the batch's own order)."""
+        (a dimension carried over whole; ``order=None``: the batch's own order); an
+        aggregate's ``basis`` by default every aggregate input's."""
         taint = taint or self.inherited
         if dim >= t.dim():
             dim = FREE
@@ -157,16 +162,21 @@ class Op:
             kinds = [tag for _, tag in self.tagged if tag.dim == AGG]
             if len(kinds) == 1 and len(self.tagged) == 1:
                 total, constant, summed = kinds[0].total, kinds[0].constant, kinds[0].summed
+        if basis is None:
+            basis = frozenset().union(*(tag.basis for _, tag in self.tagged if tag.dim == AGG))
         self.watch.tags[t] = Tag(dim, taint, segments, inner, kept, even if aggregate else None,
                                  total if aggregate else None, constant and aggregate,
-                                 summed if aggregate and total else 0)
+                                 summed if aggregate and total else 0,
+                                 basis if aggregate else frozenset())
 
     def put_all(self, dim: int, taint: Taint | None = None,
                 segments: tuple[int, ...] | None = None, inner: int | None = None,
                 order: torch.Tensor | bool | None = True, even: float | None = None,
-                total: bool | None = None, constant: bool = False, summed: int = 0) -> None:
+                total: bool | None = None, constant: bool = False, summed: int = 0,
+                basis: frozenset[str] | None = None) -> None:
         for t in self.outputs():
-            self.put(t, dim, taint, segments, inner, order, even, total, constant, summed)
+            self.put(t, dim, taint, segments, inner, order, even, total, constant, summed,
+                     basis)
 
     def summing(self, t: torch.Tensor) -> int:
         """How many elements of ``t`` each element of this operator's output adds up."""
@@ -216,6 +226,7 @@ def _ids(t: torch.Tensor, tag: Tag) -> torch.Tensor:
     return torch.arange(t.shape[tag.dim] // tag.inner, device=t.device)
 
 
+ROWS, ITEMS = frozenset({"rows"}), frozenset({"items"})
 SELECTED = ("a mean over the rows a mask or an index made from the batch selected, whose count "
             "depends on the batch's content")
 
@@ -399,7 +410,7 @@ def _aggregate(op: Op) -> None:
             op.put_all(AGG, total=mean)
             return
         if kind == "count" and watch.items:
-            op.put_all(AGG, total=mean)
+            op.put_all(AGG, total=mean, basis=ITEMS)
             return
         op.put_all(FREE, op.taint(
             "a division by a count or sum computed from the batch" if kind == "count"
@@ -407,10 +418,12 @@ def _aggregate(op: Op) -> None:
         return
     total, constant = op.kind()
     summed = next((tag.summed for _, tag in op.tagged if tag.dim == AGG), 0)
+    basis = None
     if total and _by_the_count(op, (watch.rows, summed)):
         total = False  # (``l.sum() / len(x)``, ``l.sum() / l.numel()``: a mean)
+        basis = ROWS
     op.put_all(AGG, even=even if op.name not in _PRODUCTS else None, total=total,
-               constant=constant, summed=summed)
+               constant=constant, summed=summed, basis=basis)
 
 
 def _by_the_count(op: Op, counts: tuple[int, ...]) -> bool:
@@ -459,7 +472,9 @@ def reduction(linear: bool) -> Rule:
                 note_selection(op, t, tag)
             if linear:
                 even = None if t.requires_grad else _even_rows(t, tag, op.watch.rows)
-                op.put_all(AGG, even=even, total=op.name != "mean", summed=op.summing(t))
+                op.put_all(AGG, even=even, total=op.name != "mean", summed=op.summing(t),
+                           basis=(ITEMS if tag.order is not None and op.watch.items else ROWS)
+                           if op.name == "mean" else frozenset())
             else:
                 op.put_all(FREE, op.taint(f"{_a(op.label)} over the batch's rows"))
             return

@@ -118,9 +118,11 @@ class RowWatch:
     """The rows of one micro-batch, followed through its forward (module docs)."""
 
     def __init__(self, batch: Iterable[torch.Tensor], rows: int, *, items: bool,
-                 reduction: str = "mean") -> None:
+                 reduction: str = "mean", uneven: bool = False) -> None:
         self.rows = rows
         self._items = items  # a data-dependent count was declared (items=)
+        #: the micro-batch's share of the declared items is not its share of the rows
+        self.uneven = uneven
         self.reduction = reduction  # how the micro-batches' losses are weighed
         self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.values: set[float] = set()  # .item() of tensors made from the batch
@@ -216,6 +218,19 @@ class RowWatch:
                     "time (x[0], the first of a sort, a loop over part of the rows)",
                     user_frame(), "a micro-batch would take its own first rows: the loss "
                     "then depends on how the batch is cut", _FIXES["mixes"],
+                )
+            if tag is not None and tag.taint is None and tag.dim == AGG and self._items and (
+                self.uneven and "rows" in tag.basis and not _WEIGHED.depth
+            ):
+                raise refusal(
+                    step, "averaged its loss, or part of it, over the batch's rows, while "
+                    "items= weighs each micro-batch by its share of the items it declares, "
+                    "which is not its share of the rows here", user_frame(),
+                    "a mean over rows (a next-sentence or classification term beside a token "
+                    "mean) would be weighed as a mean over items",
+                    "declare items= for a loss that is one mean over those items only, or "
+                    "compute the row term as a sum divided by the batch-wide count with "
+                    "reduction='sum'",
                 )
             if tag is not None and tag.taint is None and tag.dim == AGG and not _WEIGHED.depth:
                 self._check_kind(tag, step)  # (unless the caller weighs each micro-batch)

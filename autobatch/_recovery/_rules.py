@@ -206,8 +206,10 @@ REFUSED: tuple[str, ...] = (
     "`l[l.argmax()]`, `l.sort().values[0]`), rows weighted by their place (by their rank "
     "after a sort, `l * torch.linspace(0, 1, n)`), and a mean whose count depends on the "
     "batch's content (`l.sum() / mask.sum()`, `l[mask].mean()`, `ignore_index` or class "
-    "weights that leave rows with different counts) without `items=`, or two such means "
-    "under one `items=`; the refusal names the operator and the line that "
+    "weights that leave rows with different counts) without `items=`; under `items=`, two "
+    "means over different masks, or a mean over the rows beside the items' mean (BERT "
+    "pretraining's next-sentence term) where a micro-batch's share of the items is not its "
+    "share of the rows; the refusal names the operator and the line that "
     "mixed the rows, and for a loss over the whole batch's embeddings points to "
     "`embed_in_pieces`",
     "a loss of another kind than `reduction=` weighs, found the same way: a sum over the "
