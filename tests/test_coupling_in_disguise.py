@@ -6,7 +6,6 @@ sum under ``reduction="sum"``), the masked mean splits exactly."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +66,20 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
         v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 
 
+def _split_matches_plain(loss: Loss, calls: int = 1, **options: Any) -> None:
+    """The guarded step, its first calls split in two (a batch of 16 out of memory over 8
+    rows), ends with the plain loop's parameters."""
+    reference, _, plain, _ = _make(loss)
+    model, _, _, step = _make(loss, **options)
+    for call in range(calls):
+        plain(_batch(call))
+        with inject_oom(batch_over=8):
+            step(_batch(call))
+    assert step.stats.ooms == 1  # (later calls split from the start: the size is learned)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("at_call", [0, 2])
 @pytest.mark.parametrize("name", list(DISGUISED))
 def test_a_loss_coupling_rows_in_disguise_is_refused_with_the_state_unchanged(
@@ -95,15 +108,7 @@ def test_the_masked_mean_declared_splits_exactly(form: str) -> None:
         def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return _per_row(o, y)[y > 0].sum()
         options = {"reduction": "sum"}
-    reference, _, plain, _ = _make(loss)
-    model, _, _, step = _make(loss, **options)
-    for call in range(3):
-        plain(_batch(call))
-        with inject_oom(batch_over=8) if call < 2 else contextlib.nullcontext():
-            step(_batch(call))
-    assert step.stats.ooms >= 1
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    _split_matches_plain(loss, calls=3, **options)
 
 
 def test_sorted_rows_averaged_alike_still_split_exactly() -> None:
@@ -111,15 +116,7 @@ def test_sorted_rows_averaged_alike_still_split_exactly() -> None:
     def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return _per_row(o, y).sort().values.mean() * torch.ones(()).squeeze()
 
-    reference, _, plain, _ = _make(loss)
-    model, _, _, step = _make(loss)
-    plain(_batch(0))
-    with inject_oom(batch_over=8):
-        step(_batch(0))
-    assert step.stats.ooms == 1
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
-
+    _split_matches_plain(loss)
 
 
 def _ranked(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -200,14 +197,7 @@ EXACT: dict[str, tuple[Loss, dict[str, Any]]] = {
 @pytest.mark.parametrize("name", list(EXACT))
 def test_per_row_forms_near_the_refused_ones_split_exactly(name: str) -> None:
     loss, options = EXACT[name]
-    reference, _, plain, _ = _make(loss)
-    model, _, _, step = _make(loss, **options)
-    plain(_batch(0))
-    with inject_oom(batch_over=8):
-        step(_batch(0))
-    assert step.stats.ooms == 1
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    _split_matches_plain(loss, **options)
 
 
 def _pretraining(o: torch.Tensor, y: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -240,11 +230,4 @@ def test_a_row_mean_beside_a_token_mean_splits_where_the_shares_agree() -> None:
     def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return _pretraining(o, y, padded=False)
 
-    reference, _, plain, _ = _make(loss)
-    model, _, _, step = _make(loss, items=lambda b: 2 * len(b[1]))
-    plain(_batch(0))
-    with inject_oom(batch_over=8):
-        step(_batch(0))
-    assert step.stats.ooms == 1
-    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    _split_matches_plain(loss, items=lambda b: 2 * len(b[1]))

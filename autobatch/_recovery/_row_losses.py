@@ -120,8 +120,8 @@ def reduced_loss(op: Op) -> None:
         op.put_all(FREE, op.paired())
         return
     if op.arg("reduction", 1) == 1 and op.watch.items:
-        for t, tag in rows[:1]:
-            note_selection(op, t, tag)
+        if rows:
+            note_selection(op, *rows[0])
     elif op.arg("reduction", 1) == 1 and any(selected(op, tag) for _, tag in rows):
         op.put_all(FREE, op.taint(SELECTED, "count"))
         return

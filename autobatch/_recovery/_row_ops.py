@@ -150,18 +150,18 @@ class Op:
         rows = self.rows()
         if inner is None:
             inner = rows[0][1].inner if rows and dim >= 0 else 1
+        aggregate = dim == AGG
+        # (an aggregate made from one aggregate alone, a view or a copy of it, keeps its record:
+        # einsum's Gram matrix summed over the rows stays a sum through the views after its bmm)
+        sole = self.tagged[0][1] if aggregate and len(self.tagged) == 1 and (
+            self.tagged[0][1].dim == AGG) else None
         if order is True:
             order = rows[0][1].order if rows and dim >= 0 else None
-            if dim == AGG and len(self.tagged) == 1 and self.tagged[0][1].dim == AGG:
-                order = self.tagged[0][1].order  # (the rows a sum one row at a time added)
+            if sole is not None:
+                order = sole.order  # (the rows a sum one row at a time added)
         kept = order if isinstance(order, torch.Tensor) else None
-        aggregate = dim == AGG
-        if aggregate and total is None and not constant:
-            # (a view, a permute or a copy of one aggregate is of its kind: einsum's Gram
-            # matrix summed over the rows stays a sum through the views that follow its bmm)
-            kinds = [tag for _, tag in self.tagged if tag.dim == AGG]
-            if len(kinds) == 1 and len(self.tagged) == 1:
-                total, constant, summed = kinds[0].total, kinds[0].constant, kinds[0].summed
+        if sole is not None and total is None and not constant:
+            total, constant, summed = sole.total, sole.constant, sole.summed
         if basis is None:
             basis = frozenset().union(*(tag.basis for _, tag in self.tagged if tag.dim == AGG))
         self.watch.tags[t] = Tag(dim, taint, segments, inner, kept, even if aggregate else None,

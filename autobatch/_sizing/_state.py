@@ -8,13 +8,13 @@ import inspect
 import random
 import sys
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
+from autobatch._batch import tensors
 from autobatch._memory._backends import restore_rng_states, save_rng_states
 
 
@@ -308,18 +308,9 @@ def _save_attributes(module: torch.nn.Module) -> _Attributes:
         elif isinstance(value, (int, float, bool, str, type(None))):
             kept[key] = (value, value)
         elif isinstance(value, (dict, list, tuple)):
-            inner = [(t, _host_copy(t)) for t in _tensors_in(value) if _plain(t)]
+            inner = [(t, _host_copy(t)) for t in tensors(value) if _plain(t)]
             kept[key] = (value, (copy.copy(value), inner))
     return set(vars(module)), kept
-
-
-def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
-    """The tensors in a dict, list or tuple attribute, ``depth`` containers deep."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth and isinstance(value, (dict, list, tuple)):
-        for item in value.values() if isinstance(value, dict) else value:
-            yield from _tensors_in(item, depth - 1)
 
 
 def holds_bytes(tensor: torch.Tensor) -> bool:
@@ -346,7 +337,7 @@ def _put_attributes(module: torch.nn.Module, saved: _Attributes) -> None:
     names, kept = saved
     state = vars(module)
     for key in [k for k, v in state.items() if k not in names and any(
-            _plain(t) for t in _tensors_in(v))]:
+            _plain(t) for t in tensors(v))]:
         del state[key]
     for key, (original, copied) in kept.items():
         if isinstance(original, torch.Tensor):
